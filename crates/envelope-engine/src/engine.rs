@@ -1,0 +1,735 @@
+//! The engine: a step loop on its own thread that owns the model, the KV
+//! pool and the scheduler. Callers submit token ids with sampling
+//! parameters and get a channel of events back; dropping the receiver
+//! aborts the sequence and frees its blocks at the next step boundary.
+
+use crate::chat::ChatTemplate;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{KvGeometry, KvPool};
+use crate::load::{LoadedModel, ModelInfo};
+use crate::model::{Model, SeqChunk};
+use crate::precision::KvDtype;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
+use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// How big the KV pool is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    Bytes(usize),
+    /// A fraction of the host's available memory after the weights are loaded.
+    FractionOfAvailable(f64),
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub kv_dtype: KvDtype,
+    pub kv_budget: KvBudget,
+    pub block_size: usize,
+    pub scheduler: SchedulerConfig,
+    /// Longest sequence (prompt + output) accepted; defaults to the model's context.
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            kv_dtype: KvDtype::F32,
+            kv_budget: KvBudget::FractionOfAvailable(0.2),
+            block_size: 16,
+            scheduler: SchedulerConfig::default(),
+            max_model_len: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Aborted,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Aborted => "abort",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// One generated token; `text` is what became printable with it (may be
+    /// empty while a character or a possible stop string is incomplete).
+    Token {
+        id: u32,
+        text: String,
+        at: Instant,
+    },
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        preemptions: u32,
+        at: Instant,
+    },
+    Error(String),
+}
+
+pub struct GenerateRequest {
+    pub prompt_tokens: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// What one step did, for the harness and the logs.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepStats {
+    pub step: u64,
+    pub prefill_tokens: usize,
+    pub decode_tokens: usize,
+    pub step_seconds: f64,
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub preemptions: usize,
+}
+
+/// Live counters, read by `/metrics` without stopping the loop.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub kv_blocks_used: AtomicUsize,
+    pub kv_blocks_total: AtomicUsize,
+    pub preemptions_total: AtomicU64,
+    pub prompt_tokens_total: AtomicU64,
+    pub generation_tokens_total: AtomicU64,
+    pub requests_finished_total: AtomicU64,
+    pub requests_aborted_total: AtomicU64,
+    pub steps_total: AtomicU64,
+    /// The last steps (at most `STEP_LOG_LEN`), oldest first.
+    pub step_log: Mutex<VecDeque<StepStats>>,
+}
+
+pub const STEP_LOG_LEN: usize = 4096;
+
+impl EngineMetrics {
+    pub fn kv_usage(&self) -> f64 {
+        let total = self.kv_blocks_total.load(Ordering::Relaxed);
+        if total == 0 {
+            0.0
+        } else {
+            self.kv_blocks_used.load(Ordering::Relaxed) as f64 / total as f64
+        }
+    }
+    /// Takes the step log, leaving it empty.
+    pub fn drain_steps(&self) -> Vec<StepStats> {
+        self.step_log
+            .lock()
+            .map(|mut l| l.drain(..).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Static facts about the running engine.
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineInfo {
+    pub model: ModelInfo,
+    pub kv_dtype: KvDtype,
+    pub block_size: usize,
+    pub kv_blocks_total: usize,
+    pub kv_bytes_per_token: usize,
+    pub kv_pool_bytes: usize,
+    pub kv_capacity_tokens: usize,
+    pub max_model_len: usize,
+    pub scheduler: SchedulerConfig,
+}
+
+struct Sequence {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    params: SamplingParams,
+    sampler: Sampler,
+    decoder: IncrementalDecoder,
+    text: String,
+    emitted: usize,
+    preemptions: u32,
+    tx: UnboundedSender<Event>,
+}
+
+impl Sequence {
+    fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+}
+
+/// The step machine. Single-threaded; `EngineHandle` runs it on a thread.
+pub struct Engine {
+    model: Model,
+    tokenizer: Arc<TextTokenizer>,
+    kv: KvPool,
+    scheduler: Scheduler,
+    seqs: HashMap<SeqId, Sequence>,
+    next_id: SeqId,
+    eos: Vec<u32>,
+    pub info: EngineInfo,
+    pub metrics: Arc<EngineMetrics>,
+    step: u64,
+}
+
+/// Host memory the OS reports available (`MemAvailable`), in bytes.
+pub fn host_available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+impl Engine {
+    pub fn new(
+        model: Model,
+        tokenizer: Arc<TextTokenizer>,
+        info: ModelInfo,
+        cfg: &EngineConfig,
+    ) -> Result<Engine> {
+        let mc = &model.config;
+        if cfg.block_size == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "block_size",
+                message: "must be > 0".into(),
+            });
+        }
+        if cfg.scheduler.max_num_seqs == 0 || cfg.scheduler.max_num_batched_tokens == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "max_num_seqs",
+                message: "max_num_seqs and max_num_batched_tokens must be > 0".into(),
+            });
+        }
+        let bytes_per_token = mc.kv_bytes_per_token(cfg.kv_dtype.elem_bytes());
+        let budget = match cfg.kv_budget {
+            KvBudget::Bytes(b) => b,
+            KvBudget::FractionOfAvailable(f) => {
+                if !(0.0..=1.0).contains(&f) || f == 0.0 {
+                    return Err(EngineError::InvalidSetting {
+                        field: "kv_cache_fraction",
+                        message: format!("must be in (0, 1], got {f}"),
+                    });
+                }
+                let avail = host_available_bytes().ok_or_else(|| EngineError::InvalidSetting {
+                    field: "kv_cache_fraction",
+                    message: "cannot read MemAvailable from /proc/meminfo; pass --kv-cache-bytes"
+                        .into(),
+                })?;
+                (avail as f64 * f) as usize
+            }
+        };
+        let num_blocks = budget / (bytes_per_token * cfg.block_size);
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidSetting {
+                field: "kv_cache_bytes",
+                message: format!(
+                    "{budget} bytes hold no block of {} tokens ({} bytes per token)",
+                    cfg.block_size, bytes_per_token
+                ),
+            });
+        }
+        let geometry = KvGeometry {
+            num_layers: mc.num_layers,
+            num_blocks,
+            block_size: cfg.block_size,
+            num_kv_heads: mc.num_kv_heads,
+            head_dim: mc.head_dim,
+        };
+        let kv = KvPool::new(geometry, cfg.kv_dtype);
+        let max_model_len = cfg.max_model_len.unwrap_or(mc.max_position_embeddings);
+        let metrics = Arc::new(EngineMetrics::default());
+        metrics.kv_blocks_total.store(num_blocks, Ordering::Relaxed);
+        let info = EngineInfo {
+            model: info,
+            kv_dtype: cfg.kv_dtype,
+            block_size: cfg.block_size,
+            kv_blocks_total: num_blocks,
+            kv_bytes_per_token: kv.bytes_per_token(),
+            kv_pool_bytes: kv.bytes(),
+            kv_capacity_tokens: num_blocks * cfg.block_size,
+            max_model_len,
+            scheduler: cfg.scheduler.clone(),
+        };
+        Ok(Engine {
+            eos: mc.eos_token_ids.clone(),
+            scheduler: Scheduler::new(cfg.scheduler.clone(), cfg.block_size, num_blocks),
+            model,
+            tokenizer,
+            kv,
+            seqs: HashMap::new(),
+            next_id: 0,
+            info,
+            metrics,
+            step: 0,
+        })
+    }
+
+    /// Checks a request against the model's context and the KV pool.
+    pub fn validate(
+        info: &EngineInfo,
+        prompt_tokens: usize,
+        params: &SamplingParams,
+    ) -> Result<()> {
+        if prompt_tokens == 0 {
+            return Err(EngineError::InvalidRequest {
+                param: "prompt",
+                message: "the prompt is empty".into(),
+            });
+        }
+        if params.max_tokens == 0 {
+            return Err(EngineError::InvalidRequest {
+                param: "max_tokens",
+                message: "must be at least 1".into(),
+            });
+        }
+        if prompt_tokens + params.max_tokens > info.max_model_len {
+            return Err(EngineError::ContextLengthExceeded {
+                prompt_tokens,
+                max_tokens: params.max_tokens,
+                max_model_len: info.max_model_len,
+            });
+        }
+        let needed_blocks = (prompt_tokens + params.max_tokens).div_ceil(info.block_size);
+        if needed_blocks > info.kv_blocks_total {
+            return Err(EngineError::KvPoolTooSmall {
+                needed_blocks,
+                total_blocks: info.kv_blocks_total,
+            });
+        }
+        Ok(())
+    }
+
+    pub fn add_request(
+        &mut self,
+        req: GenerateRequest,
+        tx: UnboundedSender<Event>,
+    ) -> Result<SeqId> {
+        Engine::validate(&self.info, req.prompt_tokens.len(), &req.params)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let prompt_len = req.prompt_tokens.len();
+        self.scheduler.add(id, prompt_len);
+        self.seqs.insert(
+            id,
+            Sequence {
+                tokens: req.prompt_tokens,
+                prompt_len,
+                sampler: Sampler::new(req.params.seed),
+                params: req.params,
+                decoder: IncrementalDecoder::default(),
+                text: String::new(),
+                emitted: 0,
+                preemptions: 0,
+                tx,
+            },
+        );
+        self.metrics
+            .prompt_tokens_total
+            .fetch_add(prompt_len as u64, Ordering::Relaxed);
+        self.publish();
+        Ok(id)
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Aborts every sequence whose receiver is gone.
+    pub fn reap_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.scheduler.remove(id);
+            self.seqs.remove(&id);
+            self.metrics
+                .requests_aborted_total
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        m.running
+            .store(self.scheduler.num_running(), Ordering::Relaxed);
+        m.waiting
+            .store(self.scheduler.num_waiting(), Ordering::Relaxed);
+        m.kv_blocks_used
+            .store(self.scheduler.blocks_used(), Ordering::Relaxed);
+        m.preemptions_total
+            .store(self.scheduler.preemptions_total(), Ordering::Relaxed);
+    }
+
+    /// Runs one scheduling step and forward pass.
+    pub fn step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let plan: Plan = self.scheduler.schedule();
+        for id in &plan.preempted {
+            if let Some(s) = self.seqs.get_mut(id) {
+                s.preemptions += 1;
+            }
+        }
+        let chunks: Vec<SeqChunk> = plan
+            .work
+            .iter()
+            .map(|w| SeqChunk {
+                tokens: &self.seqs[&w.id].tokens[w.start..w.start + w.len],
+                start_pos: w.start,
+                block_table: self.scheduler.block_table(w.id),
+                want_logits: w.samples,
+            })
+            .collect();
+        let logits = self.model.forward(&mut self.kv, &chunks);
+        drop(chunks);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                // A failed forward pass fails the sequences in it, not the engine.
+                for w in &plan.work {
+                    if let Some(s) = self.seqs.remove(&w.id) {
+                        let _ = s.tx.send(Event::Error(e.to_string()));
+                    }
+                    self.scheduler.remove(w.id);
+                }
+                self.publish();
+                return Err(e);
+            }
+        };
+        let rows: Vec<Vec<f32>> = match logits {
+            Some(l) => l.to_vec2::<f32>()?,
+            None => Vec::new(),
+        };
+        let mut row = 0;
+        let now = Instant::now();
+        let mut decode_tokens = 0;
+        for w in &plan.work {
+            self.scheduler.advance(w.id, w.len);
+            if !w.samples {
+                continue;
+            }
+            let logits = &rows[row];
+            row += 1;
+            if w.len == 1 {
+                decode_tokens += 1;
+            }
+            let seq = self.seqs.get_mut(&w.id).expect("scheduled sequence exists");
+            let tok = seq.sampler.sample(logits, &seq.params);
+            seq.tokens.push(tok);
+            self.scheduler.append(w.id);
+            self.metrics
+                .generation_tokens_total
+                .fetch_add(1, Ordering::Relaxed);
+            let finish = Self::on_token(
+                &self.tokenizer,
+                &self.eos,
+                self.info.max_model_len,
+                seq,
+                tok,
+                now,
+            );
+            if let Some(reason) = finish {
+                let seq = self.seqs.remove(&w.id).expect("exists");
+                let _ = seq.tx.send(Event::Done {
+                    reason,
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.tokens.len() - seq.prompt_len,
+                    preemptions: seq.preemptions,
+                    at: now,
+                });
+                self.scheduler.remove(w.id);
+                self.metrics
+                    .requests_finished_total
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.step += 1;
+        self.publish();
+        let stats = StepStats {
+            step: self.step,
+            prefill_tokens: plan.num_tokens() - decode_tokens,
+            decode_tokens,
+            step_seconds: start.elapsed().as_secs_f64(),
+            running: self.scheduler.num_running(),
+            waiting: self.scheduler.num_waiting(),
+            kv_blocks_used: self.scheduler.blocks_used(),
+            kv_blocks_total: self.scheduler.num_blocks(),
+            preemptions: plan.preempted.len(),
+        };
+        self.metrics.steps_total.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut log) = self.metrics.step_log.lock() {
+            if log.len() == STEP_LOG_LEN {
+                log.pop_front();
+            }
+            log.push_back(stats.clone());
+        }
+        Ok(stats)
+    }
+
+    /// Detokenises the new token, applies stop rules and sends the text that
+    /// is safe to show. Returns the finish reason if the sequence is done.
+    fn on_token(
+        tokenizer: &TextTokenizer,
+        eos: &[u32],
+        max_model_len: usize,
+        seq: &mut Sequence,
+        tok: u32,
+        now: Instant,
+    ) -> Option<FinishReason> {
+        let p = &seq.params;
+        let mut finish = None;
+        let is_stop_token =
+            (!p.ignore_eos && eos.contains(&tok)) || p.stop_token_ids.contains(&tok);
+        if is_stop_token {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let out: Vec<u32> = seq.output().to_vec();
+            let delta = seq.decoder.step(tokenizer, &out).unwrap_or_default();
+            seq.text.push_str(&delta);
+            let max_stop = p.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+            if max_stop > 0 {
+                let from = seq.emitted.saturating_sub(max_stop);
+                let from = (0..=from)
+                    .rev()
+                    .find(|i| seq.text.is_char_boundary(*i))
+                    .unwrap_or(0);
+                if let Some(pos) = p
+                    .stop
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .filter_map(|s| seq.text[from..].find(s.as_str()).map(|i| i + from))
+                    .min()
+                {
+                    seq.text.truncate(pos);
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+        }
+        if finish.is_none()
+            && (seq.output().len() >= p.max_tokens || seq.tokens.len() >= max_model_len)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() && !is_stop_token {
+            // Flush a trailing partial character if the output ends here.
+            let out: Vec<u32> = seq.output().to_vec();
+            if let Ok(rest) = seq.decoder.flush(tokenizer, &out) {
+                if finish == Some(FinishReason::Length) {
+                    seq.text.push_str(&rest);
+                }
+            }
+        }
+        // Hold back a suffix that could still become a stop string.
+        let safe_end = if finish.is_some() {
+            seq.text.len()
+        } else {
+            let held = seq
+                .params
+                .stop
+                .iter()
+                .flat_map(|s| {
+                    (1..s.len())
+                        .filter(|k| s.is_char_boundary(*k))
+                        .map(move |k| &s[..k])
+                })
+                .filter(|pre| seq.text.ends_with(pre))
+                .map(|pre| pre.len())
+                .max()
+                .unwrap_or(0);
+            seq.text.len() - held
+        };
+        let text = if safe_end > seq.emitted {
+            seq.text[seq.emitted..safe_end].to_string()
+        } else {
+            String::new()
+        };
+        seq.emitted = seq.emitted.max(safe_end);
+        let _ = seq.tx.send(Event::Token {
+            id: tok,
+            text,
+            at: now,
+        });
+        finish
+    }
+}
+
+enum Command {
+    Submit(GenerateRequest, UnboundedSender<Event>),
+    Shutdown,
+}
+
+/// A cloneable handle to an engine running on its own thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    pub info: Arc<EngineInfo>,
+    pub metrics: Arc<EngineMetrics>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub chat_template: Arc<ChatTemplate>,
+}
+
+impl EngineHandle {
+    pub fn spawn(loaded: LoadedModel, cfg: &EngineConfig) -> Result<EngineHandle> {
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let mut engine = Engine::new(loaded.model, tokenizer.clone(), loaded.info, cfg)?;
+        let info = Arc::new(engine.info.clone());
+        let metrics = engine.metrics.clone();
+        let (tx, rx) = mpsc::channel::<Command>();
+        std::thread::Builder::new()
+            .name("envelope-engine".into())
+            .spawn(move || {
+                let handle = |engine: &mut Engine, cmd: Command| -> bool {
+                    match cmd {
+                        Command::Submit(req, tx) => {
+                            if let Err(e) = engine.add_request(req, tx.clone()) {
+                                let _ = tx.send(Event::Error(e.to_string()));
+                            }
+                            true
+                        }
+                        Command::Shutdown => false,
+                    }
+                };
+                'outer: loop {
+                    if !engine.has_work() {
+                        match rx.recv() {
+                            Ok(cmd) => {
+                                if !handle(&mut engine, cmd) {
+                                    break;
+                                }
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    loop {
+                        match rx.try_recv() {
+                            Ok(cmd) => {
+                                if !handle(&mut engine, cmd) {
+                                    break 'outer;
+                                }
+                            }
+                            Err(mpsc::TryRecvError::Empty) => break,
+                            Err(mpsc::TryRecvError::Disconnected) => break 'outer,
+                        }
+                    }
+                    engine.reap_disconnected();
+                    if engine.has_work() {
+                        if let Err(e) = engine.step() {
+                            tracing::error!("engine step failed: {e}");
+                        }
+                    }
+                }
+            })
+            .map_err(|e| EngineError::InvalidSetting {
+                field: "engine",
+                message: format!("cannot start the engine thread: {e}"),
+            })?;
+        Ok(EngineHandle {
+            tx,
+            info,
+            metrics,
+            tokenizer,
+            chat_template: Arc::new(loaded.chat_template),
+        })
+    }
+
+    /// Submits a request. Invalid requests fail here, before queueing.
+    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>> {
+        Engine::validate(&self.info, req.prompt_tokens.len(), &req.params)?;
+        let (tx, rx) = unbounded_channel();
+        self.tx
+            .send(Command::Submit(req, tx))
+            .map_err(|_| EngineError::ShutDown)?;
+        Ok(rx)
+    }
+
+    /// Generates to completion (blocking): the output ids, the text and the
+    /// finish reason. For tests, benchmarks and the CLI.
+    pub fn generate_blocking(&self, req: GenerateRequest) -> Result<Generated> {
+        let mut rx = self.submit(req)?;
+        let mut out = Generated::default();
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                Event::Token { id, text, .. } => {
+                    out.tokens.push(id);
+                    out.text.push_str(&text);
+                }
+                Event::Done {
+                    reason,
+                    preemptions,
+                    ..
+                } => {
+                    out.finish_reason = Some(reason);
+                    out.preemptions = preemptions;
+                    return Ok(out);
+                }
+                Event::Error(e) => {
+                    return Err(EngineError::InvalidRequest {
+                        param: "request",
+                        message: e,
+                    })
+                }
+            }
+        }
+        Err(EngineError::ShutDown)
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: Option<FinishReason>,
+    pub preemptions: u32,
+}
+
+/// Logits of the last prompt token from a fresh cache: for comparisons
+/// with reference implementations.
+pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result<Vec<f32>> {
+    let block_size = 16;
+    let blocks = tokens.len().div_ceil(block_size);
+    let g = KvGeometry {
+        num_layers: model.config.num_layers,
+        num_blocks: blocks,
+        block_size,
+        num_kv_heads: model.config.num_kv_heads,
+        head_dim: model.config.head_dim,
+    };
+    let mut kv = KvPool::new(g, kv_dtype);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let chunk = SeqChunk {
+        tokens,
+        start_pos: 0,
+        block_table: &table,
+        want_logits: true,
+    };
+    let logits = model
+        .forward(&mut kv, &[chunk])?
+        .ok_or_else(|| EngineError::InvalidRequest {
+            param: "prompt",
+            message: "the prompt is empty".into(),
+        })?;
+    Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+}

@@ -1,0 +1,32 @@
+//! envelope's embedded inference engine: Llama-family models (GGUF,
+//! Hugging Face safetensors, or `dummy:` presets) on the CPU, with a paged
+//! KV cache, continuous or static batching, preemption by recompute, and
+//! per-step statistics for the harness.
+
+pub mod attention;
+pub mod chat;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod kv_cache;
+pub mod linear;
+pub mod load;
+pub mod model;
+pub mod precision;
+pub mod sampling;
+pub mod scheduler;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::ModelConfig;
+pub use engine::{
+    Engine, EngineConfig, EngineHandle, EngineInfo, EngineMetrics, Event, FinishReason,
+    GenerateRequest, KvBudget, StepStats,
+};
+pub use error::{EngineError, Result};
+pub use load::{load, LoadOptions, LoadedModel, ModelInfo};
+pub use precision::{KvDtype, Precision};
+pub use sampling::SamplingParams;
+pub use scheduler::{BatchPolicy, SchedulerConfig};
+pub use tokenizer::TextTokenizer;

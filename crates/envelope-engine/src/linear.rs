@@ -1,0 +1,149 @@
+//! Weight matrices in whichever precision they were loaded in. A linear layer
+//! takes `[tokens, in]` f32 activations and returns `[tokens, out]` f32, so the
+//! model code never branches on precision.
+
+use crate::error::Result;
+use crate::precision::Precision;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use std::sync::Arc;
+
+/// A weight as a source hands it over, before conversion to the precision
+/// asked for.
+pub enum RawWeight {
+    Quant(QTensor),
+    Dense(Tensor),
+}
+
+impl RawWeight {
+    pub fn shape(&self) -> Vec<usize> {
+        match self {
+            RawWeight::Quant(q) => q.shape().dims().to_vec(),
+            RawWeight::Dense(t) => t.dims().to_vec(),
+        }
+    }
+
+    pub fn to_f32(&self) -> Result<Tensor> {
+        Ok(match self {
+            RawWeight::Quant(q) => q.dequantize(&Device::Cpu)?,
+            RawWeight::Dense(t) => t.to_dtype(DType::F32)?,
+        })
+    }
+}
+
+/// A matrix `[out, in]` in its load precision.
+#[derive(Clone)]
+pub enum Matrix {
+    Quant(Arc<QTensor>),
+    Dense(Tensor),
+}
+
+impl Matrix {
+    pub fn convert(raw: RawWeight, precision: Precision) -> Result<Matrix> {
+        let dense = |t: Tensor, dt: DType| -> Result<Matrix> {
+            Ok(Matrix::Dense(t.to_dtype(dt)?.contiguous()?))
+        };
+        let quant = |raw: &RawWeight, dt: GgmlDType| -> Result<Matrix> {
+            let f = raw.to_f32()?;
+            Ok(Matrix::Quant(Arc::new(QTensor::quantize(&f, dt)?)))
+        };
+        match precision {
+            Precision::AsStored => match raw {
+                RawWeight::Quant(q) => match q.dtype() {
+                    GgmlDType::F32 => dense(q.dequantize(&Device::Cpu)?, DType::F32),
+                    GgmlDType::F16 => dense(q.dequantize(&Device::Cpu)?, DType::F16),
+                    GgmlDType::BF16 => dense(q.dequantize(&Device::Cpu)?, DType::BF16),
+                    _ => Ok(Matrix::Quant(Arc::new(q))),
+                },
+                RawWeight::Dense(t) => Ok(Matrix::Dense(t.contiguous()?)),
+            },
+            Precision::F32 => dense(raw.to_f32()?, DType::F32),
+            Precision::F16 => dense(raw.to_f32()?, DType::F16),
+            Precision::Bf16 => dense(raw.to_f32()?, DType::BF16),
+            Precision::Q8_0 => quant(&raw, GgmlDType::Q8_0),
+            Precision::Q4_0 => quant(&raw, GgmlDType::Q4_0),
+        }
+    }
+
+    /// Bytes the weight occupies in memory.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::Quant(q) => q.storage_size_in_bytes(),
+            Matrix::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
+
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        Ok(match self {
+            Matrix::Quant(q) => q.shape().dims2()?,
+            Matrix::Dense(t) => t.dims2()?,
+        })
+    }
+
+    /// Short name of the storage format (`q4_1`, `bf16`, ...).
+    pub fn format(&self) -> String {
+        match self {
+            Matrix::Quant(q) => format!("{:?}", q.dtype()).to_lowercase(),
+            Matrix::Dense(t) => t.dtype().as_str().to_string(),
+        }
+    }
+
+    /// Rows `ids` of the matrix as f32 `[ids, in]`: the embedding lookup.
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let ids_t = Tensor::new(ids, &Device::Cpu)?;
+        Ok(match self {
+            Matrix::Quant(q) => q.embedding(&ids_t)?,
+            Matrix::Dense(t) => t.index_select(&ids_t, 0)?.to_dtype(DType::F32)?,
+        })
+    }
+}
+
+/// `y = x W^T (+ b)`.
+#[derive(Clone)]
+pub struct Linear {
+    weight: Matrix,
+    qmatmul: Option<QMatMul>,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Matrix, bias: Option<Tensor>) -> Linear {
+        let qmatmul = match &weight {
+            Matrix::Quant(q) => Some(QMatMul::QTensor(q.clone())),
+            Matrix::Dense(_) => None,
+        };
+        Linear {
+            weight,
+            qmatmul,
+            bias,
+        }
+    }
+
+    pub fn weight(&self) -> &Matrix {
+        &self.weight
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match (&self.weight, &self.qmatmul) {
+            (_, Some(q)) => q.forward(x)?,
+            (Matrix::Dense(w), None) => {
+                if w.dtype() == DType::F32 {
+                    x.matmul(&w.t()?)?
+                } else {
+                    x.to_dtype(w.dtype())?
+                        .matmul(&w.t()?)?
+                        .to_dtype(DType::F32)?
+                }
+            }
+            (Matrix::Quant(_), None) => unreachable!("quantised weights always carry a QMatMul"),
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.weight.bytes() + self.bias.as_ref().map_or(0, |b| b.elem_count() * 4)
+    }
+}
