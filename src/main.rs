@@ -1,1 +1,98 @@
-fn main() {}
+//! The `envelope` command line.
+
+mod bench;
+mod cli;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use cli::{Cli, Command};
+use envelope_engine::{ChatMessage, EngineHandle, GenerateRequest, SamplingParams};
+use std::io::Write;
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ENVELOPE_LOG").unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::BenchEngine(args) => {
+            args.engine.apply_threads();
+            let report = bench::run(&args)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                bench::print_table(&report);
+            }
+            Ok(())
+        }
+        Command::Generate(args) => {
+            args.engine.apply_threads();
+            let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
+                .with_context(|| format!("loading --model {}", args.engine.model))?;
+            let text = if args.chat {
+                loaded.chat_template.render(&[ChatMessage { role: "user".into(), content: args.prompt.clone() }], true)?
+            } else {
+                args.prompt.clone()
+            };
+            let prompt_tokens = loaded.tokenizer.encode(&text)?;
+            let handle = EngineHandle::spawn(loaded, &args.engine.engine_config()?)?;
+            let params = SamplingParams { temperature: args.temperature, seed: args.seed, ..SamplingParams::greedy(args.max_tokens) };
+            let out = handle.generate_blocking(GenerateRequest { prompt_tokens, params })?;
+            println!("{}", out.text);
+            std::io::stdout().flush()?;
+            Ok(())
+        }
+    }
+}
+
+fn serve(args: cli::ServeArgs) -> Result<()> {
+    args.engine.apply_threads();
+    let cfg = args.engine.engine_config()?;
+    let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
+        .with_context(|| format!("loading --model {}", args.engine.model))?;
+    let info = loaded.info.clone();
+    tracing::info!(
+        "loaded {} in {:.1}s: {} parameters, weights {:.1} MiB ({})",
+        info.source,
+        info.load_seconds,
+        info.weights.num_parameters,
+        info.weights.total_bytes as f64 / 1048576.0,
+        info.weights.formats.join("+")
+    );
+    let name = args.served_model_name.clone().unwrap_or_else(|| info.name.clone());
+    let handle = EngineHandle::spawn(loaded, &cfg)?;
+    let ei = &handle.info;
+    tracing::info!(
+        "KV cache: {} blocks x {} tokens = {} tokens, {:.1} MiB ({} bytes/token, {}); max model len {}",
+        ei.kv_blocks_total,
+        ei.block_size,
+        ei.kv_capacity_tokens,
+        ei.kv_pool_bytes as f64 / 1048576.0,
+        ei.kv_bytes_per_token,
+        ei.kv_dtype,
+        ei.max_model_len
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding --host/--port {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!("serving {name} on http://{local}");
+        // A line on stdout that scripts and tests wait for.
+        println!("envelope serve listening on http://{local}");
+        std::io::stdout().flush()?;
+        let state = envelope_server::AppState::new(handle.clone(), name);
+        envelope_server::serve(state, listener).await?;
+        handle.shutdown();
+        Ok(())
+    })
+}

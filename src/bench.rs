@@ -1,0 +1,148 @@
+//! `envelope bench-engine`: single-sequence prefill and decode tokens/s and
+//! aggregate decode tokens/s at several concurrencies, timed per engine step
+//! (the engine runs in this thread, so nothing else is in the clock).
+
+use crate::cli::BenchArgs;
+use anyhow::Result;
+use envelope_engine::engine::Engine;
+use envelope_engine::{Event, GenerateRequest, SamplingParams};
+use serde::Serialize;
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub precision: String,
+    pub kv_dtype: String,
+    pub weight_bytes: usize,
+    pub threads: usize,
+    pub cpu: String,
+    pub prompt_tokens: usize,
+    pub prefill_tok_per_s: f64,
+    pub single_decode_tok_per_s: f64,
+    pub aggregate: Vec<AggregatePoint>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AggregatePoint {
+    pub concurrency: usize,
+    pub decode_tok_per_s: f64,
+    pub per_seq_tok_per_s: f64,
+    pub mean_step_ms: f64,
+}
+
+/// Deterministic prompt of exactly `n` ordinary token ids.
+pub fn synthetic_prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let lo = 300.min(vocab as u64 / 2);
+    let span = (vocab as u64 - lo).min(20_000).max(1);
+    (0..n as u64)
+        .map(|i| (lo + envelope_engine::weights::splitmix64(i ^ (salt << 32)) % span) as u32)
+        .collect()
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) }
+}
+
+fn add(engine: &mut Engine, prompt: Vec<u32>, max_tokens: usize) -> Result<UnboundedReceiver<Event>> {
+    let (tx, rx) = unbounded_channel();
+    engine.add_request(GenerateRequest { prompt_tokens: prompt, params: params(max_tokens) }, tx)?;
+    Ok(rx)
+}
+
+pub fn run(args: &BenchArgs) -> Result<BenchReport> {
+    let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())?;
+    let vocab = loaded.model.config.vocab_size;
+    let info = loaded.info.clone();
+    let mut cfg = args.engine.engine_config()?;
+    let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
+    cfg.scheduler.max_num_seqs = cfg.scheduler.max_num_seqs.max(max_c);
+    cfg.scheduler.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens.max(args.prompt_tokens).max(max_c * args.decode_prompt_tokens);
+    let mut engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), loaded.info, &cfg)?;
+
+    // Warm-up: pages in the weights and the pool.
+    let _w = add(&mut engine, synthetic_prompt(64, vocab, 99), 4)?;
+    while engine.has_work() {
+        engine.step()?;
+    }
+
+    // Single sequence: the first step is the whole prefill, the rest decode.
+    let _rx = add(&mut engine, synthetic_prompt(args.prompt_tokens, vocab, 1), args.decode_tokens + 1)?;
+    let first = engine.step()?;
+    anyhow::ensure!(first.prefill_tokens == args.prompt_tokens, "prefill was split ({} tokens)", first.prefill_tokens);
+    let prefill = args.prompt_tokens as f64 / first.step_seconds;
+    let (mut toks, mut secs) = (0usize, 0f64);
+    while engine.has_work() {
+        let s = engine.step()?;
+        toks += s.decode_tokens;
+        secs += s.step_seconds;
+    }
+    let single_decode = toks as f64 / secs;
+
+    let mut aggregate = Vec::new();
+    for &c in &args.concurrency {
+        let _rxs: Vec<_> = (0..c)
+            .map(|i| add(&mut engine, synthetic_prompt(args.decode_prompt_tokens, vocab, 10 + i as u64), args.decode_tokens + 1))
+            .collect::<Result<_>>()?;
+        let (mut toks, mut secs, mut steps) = (0usize, 0f64, 0usize);
+        while engine.has_work() {
+            let s = engine.step()?;
+            // Count steps where the whole batch decodes.
+            if s.prefill_tokens == 0 && s.decode_tokens == c {
+                toks += s.decode_tokens;
+                secs += s.step_seconds;
+                steps += 1;
+            }
+        }
+        let tps = toks as f64 / secs;
+        aggregate.push(AggregatePoint {
+            concurrency: c,
+            decode_tok_per_s: tps,
+            per_seq_tok_per_s: tps / c as f64,
+            mean_step_ms: secs * 1e3 / steps.max(1) as f64,
+        });
+    }
+    Ok(BenchReport {
+        model: info.source.clone(),
+        precision: info.weights.formats.join("+"),
+        kv_dtype: cfg.kv_dtype.to_string(),
+        weight_bytes: info.weights.total_bytes,
+        threads: std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or_else(num_cpus),
+        cpu: cpu_model(),
+        prompt_tokens: args.prompt_tokens,
+        prefill_tok_per_s: prefill,
+        single_decode_tok_per_s: single_decode,
+        aggregate,
+    })
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+pub fn print_table(r: &BenchReport) {
+    println!("envelope bench-engine");
+    println!("  model      {} (weights {}, {:.1} MiB)", r.model, r.precision, r.weight_bytes as f64 / 1048576.0);
+    println!("  machine    {} x {} threads, KV {}", r.cpu, r.threads, r.kv_dtype);
+    println!();
+    println!("  {:<34} {:>12}", "measurement", "tok/s");
+    println!("  {:<34} {:>12.1}", format!("prefill, 1 seq, {} tokens", r.prompt_tokens), r.prefill_tok_per_s);
+    println!("  {:<34} {:>12.1}", "decode, 1 seq", r.single_decode_tok_per_s);
+    for a in &r.aggregate {
+        println!(
+            "  {:<34} {:>12.1}   ({:.1} tok/s per seq, {:.1} ms/step)",
+            format!("decode, {} seqs, aggregate", a.concurrency),
+            a.decode_tok_per_s,
+            a.per_seq_tok_per_s,
+            a.mean_step_ms
+        );
+    }
+}

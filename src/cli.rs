@@ -1,0 +1,213 @@
+//! Command-line flags. Every flag has a long name and an environment
+//! variable; parsed flags are validated into engine settings in one place.
+
+use anyhow::{bail, Result};
+use clap::{ArgAction, Args, Parser, Subcommand};
+use envelope_engine::{BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Precision, SchedulerConfig};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(name = "envelope", version, about = "Measure and enforce the safe operating envelope of self-hosted LLM servers")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API (embedded engine).
+    Serve(ServeArgs),
+    /// Measure the embedded engine: prefill and decode tokens/s, single and batched.
+    BenchEngine(BenchArgs),
+    /// Generate a completion for one prompt and print it.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Model: a .gguf file, a Hugging Face directory (config.json, *.safetensors,
+    /// tokenizer.json) or dummy:<preset>[@seed] (tiny, smollm2-135m, llama-3.2-1b,
+    /// llama-3.1-8b, qwen2.5-7b).
+    #[arg(long, env = "ENVELOPE_MODEL")]
+    pub model: String,
+    /// Weight precision after load: as-stored, f32, f16, bf16, q8_0, q4_0.
+    #[arg(long, env = "ENVELOPE_PRECISION", default_value = "as-stored")]
+    pub precision: Precision,
+    /// KV-cache element type: f32, f16, bf16.
+    #[arg(long, env = "ENVELOPE_KV_DTYPE", default_value = "f32")]
+    pub kv_dtype: KvDtype,
+    /// KV-cache pool size, in bytes (suffixes K, M, G, KiB, MiB, GiB). Overrides --kv-cache-fraction.
+    #[arg(long, env = "ENVELOPE_KV_CACHE_BYTES", value_parser = parse_bytes)]
+    pub kv_cache_bytes: Option<usize>,
+    /// KV-cache pool as a fraction of the host's available memory after load.
+    #[arg(long, env = "ENVELOPE_KV_CACHE_FRACTION", default_value_t = 0.2)]
+    pub kv_cache_fraction: f64,
+    /// Tokens per KV block.
+    #[arg(long, env = "ENVELOPE_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Batch policy: continuous (admit at every step) or static (fixed batches).
+    #[arg(long, env = "ENVELOPE_BATCH_POLICY", default_value = "continuous")]
+    pub batch_policy: BatchPolicy,
+    /// Most sequences in the running batch.
+    #[arg(long, env = "ENVELOPE_MAX_NUM_SEQS", default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill + decode) in one step.
+    #[arg(long, env = "ENVELOPE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Split long prompts across steps (true/false).
+    #[arg(long, env = "ENVELOPE_CHUNKED_PREFILL", default_value_t = true, action = ArgAction::Set)]
+    pub chunked_prefill: bool,
+    /// Longest prompt + output accepted (default: the model's context length).
+    #[arg(long, env = "ENVELOPE_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// A tokenizer.json (or .gguf) to use instead of the model's own.
+    #[arg(long, env = "ENVELOPE_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "ENVELOPE_THREADS")]
+    pub threads: Option<usize>,
+}
+
+impl EngineArgs {
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { precision: self.precision, tokenizer: self.tokenizer.clone() }
+    }
+
+    pub fn engine_config(&self) -> Result<EngineConfig> {
+        if !(self.kv_cache_fraction > 0.0 && self.kv_cache_fraction <= 1.0) {
+            bail!("--kv-cache-fraction must be in (0, 1], got {}", self.kv_cache_fraction);
+        }
+        if self.block_size == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
+        }
+        Ok(EngineConfig {
+            kv_dtype: self.kv_dtype,
+            kv_budget: match self.kv_cache_bytes {
+                Some(b) => KvBudget::Bytes(b),
+                None => KvBudget::FractionOfAvailable(self.kv_cache_fraction),
+            },
+            block_size: self.block_size,
+            scheduler: SchedulerConfig {
+                policy: self.batch_policy,
+                max_num_seqs: self.max_num_seqs,
+                max_num_batched_tokens: self.max_num_batched_tokens,
+                chunked_prefill: self.chunked_prefill,
+            },
+            max_model_len: self.max_model_len,
+        })
+    }
+
+    /// Sizes the compute thread pools; must run before any pool starts.
+    pub fn apply_threads(&self) {
+        if let Some(n) = self.threads {
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Address to listen on.
+    #[arg(long, env = "ENVELOPE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0 picks a free one; the chosen port is logged).
+    #[arg(long, env = "ENVELOPE_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Model id clients use (default: the model file's name).
+    #[arg(long, env = "ENVELOPE_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Prompt length for the prefill measurement, in tokens.
+    #[arg(long, env = "ENVELOPE_BENCH_PROMPT_TOKENS", default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded per sequence.
+    #[arg(long, env = "ENVELOPE_BENCH_DECODE_TOKENS", default_value_t = 64)]
+    pub decode_tokens: usize,
+    /// Concurrent sequences for the aggregate decode measurement (comma-separated).
+    #[arg(long, env = "ENVELOPE_BENCH_CONCURRENCY", default_value = "1,4,16", value_delimiter = ',')]
+    pub concurrency: Vec<usize>,
+    /// Prompt length of each sequence in the aggregate decode runs.
+    #[arg(long, env = "ENVELOPE_BENCH_DECODE_PROMPT_TOKENS", default_value_t = 32)]
+    pub decode_prompt_tokens: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// The prompt (completion style; add --chat to apply the chat template).
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long)]
+    pub chat: bool,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// `1048576`, `512M`, `512MiB`, `2G`, `1.5GiB`.
+pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("`{s}` is not a byte size (e.g. 1073741824, 512MiB, 2G)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "ki" | "kib" => 1024.0,
+        "mi" | "mib" => 1024.0 * 1024.0,
+        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => return Err(format!("unknown unit `{other}` in `{s}`")),
+    };
+    Ok((num * mult) as usize)
+}
+
+
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2G").unwrap(), 2_000_000_000);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("5XB").is_err());
+    }
+
+    #[test]
+    fn flags_parse_into_settings() {
+        let cli = Cli::try_parse_from([
+            "envelope", "serve", "--model", "dummy:tiny", "--batch-policy", "static", "--chunked-prefill", "false",
+            "--kv-cache-bytes", "64MiB", "--precision", "q8_0",
+        ])
+        .unwrap();
+        let Command::Serve(s) = cli.command else { panic!() };
+        let c = s.engine.engine_config().unwrap();
+        assert_eq!(c.scheduler.policy, BatchPolicy::Static);
+        assert!(!c.scheduler.chunked_prefill);
+        assert_eq!(c.kv_budget, KvBudget::Bytes(64 << 20));
+        assert_eq!(s.engine.precision, Precision::Q8_0);
+        assert!(Cli::try_parse_from(["envelope", "serve", "--model", "x", "--precision", "q3"]).is_err());
+    }
+}
