@@ -35,7 +35,7 @@ pub struct AggregatePoint {
 /// Deterministic prompt of exactly `n` ordinary token ids.
 pub fn synthetic_prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
     let lo = 300.min(vocab as u64 / 2);
-    let span = (vocab as u64 - lo).min(20_000).max(1);
+    let span = (vocab as u64 - lo).clamp(1, 20_000);
     (0..n as u64)
         .map(|i| (lo + envelope_engine::weights::splitmix64(i ^ (salt << 32)) % span) as u32)
         .collect()
@@ -44,17 +44,34 @@ pub fn synthetic_prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown".into())
 }
 
 fn params(max_tokens: usize) -> SamplingParams {
-    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) }
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    }
 }
 
-fn add(engine: &mut Engine, prompt: Vec<u32>, max_tokens: usize) -> Result<UnboundedReceiver<Event>> {
+fn add(
+    engine: &mut Engine,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> Result<UnboundedReceiver<Event>> {
     let (tx, rx) = unbounded_channel();
-    engine.add_request(GenerateRequest { prompt_tokens: prompt, params: params(max_tokens) }, tx)?;
+    engine.add_request(
+        GenerateRequest {
+            prompt_tokens: prompt,
+            params: params(max_tokens),
+        },
+        tx,
+    )?;
     Ok(rx)
 }
 
@@ -65,7 +82,11 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport> {
     let mut cfg = args.engine.engine_config()?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     cfg.scheduler.max_num_seqs = cfg.scheduler.max_num_seqs.max(max_c);
-    cfg.scheduler.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens.max(args.prompt_tokens).max(max_c * args.decode_prompt_tokens);
+    cfg.scheduler.max_num_batched_tokens = cfg
+        .scheduler
+        .max_num_batched_tokens
+        .max(args.prompt_tokens)
+        .max(max_c * args.decode_prompt_tokens);
     let mut engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), loaded.info, &cfg)?;
 
     // Warm-up: pages in the weights and the pool.
@@ -75,9 +96,17 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport> {
     }
 
     // Single sequence: the first step is the whole prefill, the rest decode.
-    let _rx = add(&mut engine, synthetic_prompt(args.prompt_tokens, vocab, 1), args.decode_tokens + 1)?;
+    let _rx = add(
+        &mut engine,
+        synthetic_prompt(args.prompt_tokens, vocab, 1),
+        args.decode_tokens + 1,
+    )?;
     let first = engine.step()?;
-    anyhow::ensure!(first.prefill_tokens == args.prompt_tokens, "prefill was split ({} tokens)", first.prefill_tokens);
+    anyhow::ensure!(
+        first.prefill_tokens == args.prompt_tokens,
+        "prefill was split ({} tokens)",
+        first.prefill_tokens
+    );
     let prefill = args.prompt_tokens as f64 / first.step_seconds;
     let (mut toks, mut secs) = (0usize, 0f64);
     while engine.has_work() {
@@ -90,7 +119,13 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport> {
     let mut aggregate = Vec::new();
     for &c in &args.concurrency {
         let _rxs: Vec<_> = (0..c)
-            .map(|i| add(&mut engine, synthetic_prompt(args.decode_prompt_tokens, vocab, 10 + i as u64), args.decode_tokens + 1))
+            .map(|i| {
+                add(
+                    &mut engine,
+                    synthetic_prompt(args.decode_prompt_tokens, vocab, 10 + i as u64),
+                    args.decode_tokens + 1,
+                )
+            })
             .collect::<Result<_>>()?;
         let (mut toks, mut secs, mut steps) = (0usize, 0f64, 0usize);
         while engine.has_work() {
@@ -115,7 +150,10 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport> {
         precision: info.weights.formats.join("+"),
         kv_dtype: cfg.kv_dtype.to_string(),
         weight_bytes: info.weights.total_bytes,
-        threads: std::env::var("RAYON_NUM_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or_else(num_cpus),
+        threads: std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(num_cpus),
         cpu: cpu_model(),
         prompt_tokens: args.prompt_tokens,
         prefill_tok_per_s: prefill,
@@ -125,17 +163,34 @@ pub fn run(args: &BenchArgs) -> Result<BenchReport> {
 }
 
 fn num_cpus() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 pub fn print_table(r: &BenchReport) {
     println!("envelope bench-engine");
-    println!("  model      {} (weights {}, {:.1} MiB)", r.model, r.precision, r.weight_bytes as f64 / 1048576.0);
-    println!("  machine    {} x {} threads, KV {}", r.cpu, r.threads, r.kv_dtype);
+    println!(
+        "  model      {} (weights {}, {:.1} MiB)",
+        r.model,
+        r.precision,
+        r.weight_bytes as f64 / 1048576.0
+    );
+    println!(
+        "  machine    {} x {} threads, KV {}",
+        r.cpu, r.threads, r.kv_dtype
+    );
     println!();
     println!("  {:<34} {:>12}", "measurement", "tok/s");
-    println!("  {:<34} {:>12.1}", format!("prefill, 1 seq, {} tokens", r.prompt_tokens), r.prefill_tok_per_s);
-    println!("  {:<34} {:>12.1}", "decode, 1 seq", r.single_decode_tok_per_s);
+    println!(
+        "  {:<34} {:>12.1}",
+        format!("prefill, 1 seq, {} tokens", r.prompt_tokens),
+        r.prefill_tok_per_s
+    );
+    println!(
+        "  {:<34} {:>12.1}",
+        "decode, 1 seq", r.single_decode_tok_per_s
+    );
     for a in &r.aggregate {
         println!(
             "  {:<34} {:>12.1}   ({:.1} tok/s per seq, {:.1} ms/step)",

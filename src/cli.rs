@@ -3,11 +3,17 @@
 
 use anyhow::{bail, Result};
 use clap::{ArgAction, Args, Parser, Subcommand};
-use envelope_engine::{BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Precision, SchedulerConfig};
+use envelope_engine::{
+    BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Precision, SchedulerConfig,
+};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
-#[command(name = "envelope", version, about = "Measure and enforce the safe operating envelope of self-hosted LLM servers")]
+#[command(
+    name = "envelope",
+    version,
+    about = "Measure and enforce the safe operating envelope of self-hosted LLM servers"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -70,12 +76,18 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     pub fn load_options(&self) -> LoadOptions {
-        LoadOptions { precision: self.precision, tokenizer: self.tokenizer.clone() }
+        LoadOptions {
+            precision: self.precision,
+            tokenizer: self.tokenizer.clone(),
+        }
     }
 
     pub fn engine_config(&self) -> Result<EngineConfig> {
         if !(self.kv_cache_fraction > 0.0 && self.kv_cache_fraction <= 1.0) {
-            bail!("--kv-cache-fraction must be in (0, 1], got {}", self.kv_cache_fraction);
+            bail!(
+                "--kv-cache-fraction must be in (0, 1], got {}",
+                self.kv_cache_fraction
+            );
         }
         if self.block_size == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
@@ -131,10 +143,19 @@ pub struct BenchArgs {
     #[arg(long, env = "ENVELOPE_BENCH_DECODE_TOKENS", default_value_t = 64)]
     pub decode_tokens: usize,
     /// Concurrent sequences for the aggregate decode measurement (comma-separated).
-    #[arg(long, env = "ENVELOPE_BENCH_CONCURRENCY", default_value = "1,4,16", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "ENVELOPE_BENCH_CONCURRENCY",
+        default_value = "1,4,16",
+        value_delimiter = ','
+    )]
     pub concurrency: Vec<usize>,
     /// Prompt length of each sequence in the aggregate decode runs.
-    #[arg(long, env = "ENVELOPE_BENCH_DECODE_PROMPT_TOKENS", default_value_t = 32)]
+    #[arg(
+        long,
+        env = "ENVELOPE_BENCH_DECODE_PROMPT_TOKENS",
+        default_value_t = 32
+    )]
     pub decode_prompt_tokens: usize,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -162,9 +183,13 @@ pub struct GenerateArgs {
 /// `1048576`, `512M`, `512MiB`, `2G`, `1.5GiB`.
 pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("`{s}` is not a byte size (e.g. 1073741824, 512MiB, 2G)"))?;
+    let num: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a byte size (e.g. 1073741824, 512MiB, 2G)"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -177,9 +202,6 @@ pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     };
     Ok((num * mult) as usize)
 }
-
-
-
 
 #[cfg(test)]
 mod tests {
@@ -198,16 +220,31 @@ mod tests {
     #[test]
     fn flags_parse_into_settings() {
         let cli = Cli::try_parse_from([
-            "envelope", "serve", "--model", "dummy:tiny", "--batch-policy", "static", "--chunked-prefill", "false",
-            "--kv-cache-bytes", "64MiB", "--precision", "q8_0",
+            "envelope",
+            "serve",
+            "--model",
+            "dummy:tiny",
+            "--batch-policy",
+            "static",
+            "--chunked-prefill",
+            "false",
+            "--kv-cache-bytes",
+            "64MiB",
+            "--precision",
+            "q8_0",
         ])
         .unwrap();
-        let Command::Serve(s) = cli.command else { panic!() };
+        let Command::Serve(s) = cli.command else {
+            panic!()
+        };
         let c = s.engine.engine_config().unwrap();
         assert_eq!(c.scheduler.policy, BatchPolicy::Static);
         assert!(!c.scheduler.chunked_prefill);
         assert_eq!(c.kv_budget, KvBudget::Bytes(64 << 20));
         assert_eq!(s.engine.precision, Precision::Q8_0);
-        assert!(Cli::try_parse_from(["envelope", "serve", "--model", "x", "--precision", "q3"]).is_err());
+        assert!(
+            Cli::try_parse_from(["envelope", "serve", "--model", "x", "--precision", "q3"])
+                .is_err()
+        );
     }
 }

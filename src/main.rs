@@ -11,7 +11,10 @@ use std::io::Write;
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ENVELOPE_LOG").unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ENVELOPE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -39,14 +42,27 @@ fn run(cli: Cli) -> Result<()> {
             let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
                 .with_context(|| format!("loading --model {}", args.engine.model))?;
             let text = if args.chat {
-                loaded.chat_template.render(&[ChatMessage { role: "user".into(), content: args.prompt.clone() }], true)?
+                loaded.chat_template.render(
+                    &[ChatMessage {
+                        role: "user".into(),
+                        content: args.prompt.clone(),
+                    }],
+                    true,
+                )?
             } else {
                 args.prompt.clone()
             };
             let prompt_tokens = loaded.tokenizer.encode(&text)?;
             let handle = EngineHandle::spawn(loaded, &args.engine.engine_config()?)?;
-            let params = SamplingParams { temperature: args.temperature, seed: args.seed, ..SamplingParams::greedy(args.max_tokens) };
-            let out = handle.generate_blocking(GenerateRequest { prompt_tokens, params })?;
+            let params = SamplingParams {
+                temperature: args.temperature,
+                seed: args.seed,
+                ..SamplingParams::greedy(args.max_tokens)
+            };
+            let out = handle.generate_blocking(GenerateRequest {
+                prompt_tokens,
+                params,
+            })?;
             println!("{}", out.text);
             std::io::stdout().flush()?;
             Ok(())
@@ -68,7 +84,10 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         info.weights.total_bytes as f64 / 1048576.0,
         info.weights.formats.join("+")
     );
-    let name = args.served_model_name.clone().unwrap_or_else(|| info.name.clone());
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| info.name.clone());
     let handle = EngineHandle::spawn(loaded, &cfg)?;
     let ei = &handle.info;
     tracing::info!(
@@ -81,10 +100,15 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         ei.kv_dtype,
         ei.max_model_len
     );
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding --host/--port {addr}"))?;
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding --host/--port {addr}"))?;
         let local = listener.local_addr()?;
         tracing::info!("serving {name} on http://{local}");
         // A line on stdout that scripts and tests wait for.

@@ -151,7 +151,7 @@ mod tests {
         let n = 10;
         let rnd = |i: usize| ((i * 7919 % 113) as f32 / 113.0) - 0.5;
         let stride = g.token_stride();
-        let k: Vec<f32> = (0..n * stride).map(|i| rnd(i)).collect();
+        let k: Vec<f32> = (0..n * stride).map(rnd).collect();
         let v: Vec<f32> = (0..n * stride).map(|i| rnd(i + 5000)).collect();
         let slots: Vec<TokenSlot> = (0..n)
             .map(|pos| TokenSlot {

@@ -46,7 +46,9 @@ impl ModelConfig {
                 "num_layers, hidden_size and vocab_size must be > 0".into(),
             );
         }
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return bad(
                 "num_kv_heads",
@@ -56,7 +58,7 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(
                 "head_dim",
                 format!("must be even and > 0, got {}", self.head_dim),

@@ -53,11 +53,19 @@ impl ApiError {
                 ..ApiError::invalid(Some("max_tokens".to_string()), e.to_string())
             },
             EngineError::InvalidRequest { param, .. } => {
-                let param = if param == "prompt" { prompt_param } else { param };
+                let param = if param == "prompt" {
+                    prompt_param
+                } else {
+                    param
+                };
                 ApiError::invalid(Some(param.to_string()), e.to_string())
             }
-            EngineError::Tokenizer(_) => ApiError::invalid(Some(prompt_param.to_string()), e.to_string()),
-            EngineError::ChatTemplate(_) => ApiError::invalid(Some("messages".to_string()), e.to_string()),
+            EngineError::Tokenizer(_) => {
+                ApiError::invalid(Some(prompt_param.to_string()), e.to_string())
+            }
+            EngineError::ChatTemplate(_) => {
+                ApiError::invalid(Some("messages".to_string()), e.to_string())
+            }
             EngineError::ShutDown => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 message: e.to_string(),

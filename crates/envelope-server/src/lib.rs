@@ -57,14 +57,18 @@ pub fn app(state: Arc<AppState>) -> Router {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
-        Some(m) if m != &state.served_model_name => {
-            Err(ApiError::not_found("model", format!("The model `{m}` does not exist.")))
-        }
+        Some(m) if m != &state.served_model_name => Err(ApiError::not_found(
+            "model",
+            format!("The model `{m}` does not exist."),
+        )),
         _ => Ok(()),
     }
 }
@@ -85,13 +89,19 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         state.metrics.render(),
     )
         .into_response()
 }
 
-async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let req: TokenizeRequest = parse(&body)?;
     check_model(&state, &req.model)?;
     let e = &state.engine;
@@ -101,10 +111,20 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Jso
             .chat_template
             .render(&openai::messages(&m)?, req.add_generation_prompt)
             .map_err(|e| ApiError::from_engine(e, "messages"))?,
-        _ => return Err(ApiError::invalid(None, "give exactly one of `prompt` and `messages`")),
+        _ => {
+            return Err(ApiError::invalid(
+                None,
+                "give exactly one of `prompt` and `messages`",
+            ))
+        }
     };
-    let tokens = e.tokenizer.encode(&text).map_err(|e| ApiError::from_engine(e, "prompt"))?;
-    Ok(Json(json!({"count": tokens.len(), "max_model_len": e.info.max_model_len, "tokens": tokens, "token_strs": null})))
+    let tokens = e
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::from_engine(e, "prompt"))?;
+    Ok(Json(
+        json!({"count": tokens.len(), "max_model_len": e.info.max_model_len, "tokens": tokens, "token_strs": null}),
+    ))
 }
 
 /// What a request turned into, ready for the engine.
@@ -115,18 +135,35 @@ struct Prepared {
     include_usage: bool,
 }
 
-async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse(&body)?;
     check_model(&state, &req.common.model)?;
     let e = &state.engine;
     let prompt_tokens = match req.prompt {
-        Prompt::Text(s) => e.tokenizer.encode(&s).map_err(|e| ApiError::from_engine(e, "prompt"))?,
-        Prompt::Texts(v) if v.len() == 1 => e.tokenizer.encode(&v[0]).map_err(|e| ApiError::from_engine(e, "prompt"))?,
-        Prompt::Texts(_) => return Err(ApiError::invalid(Some("prompt".into()), "only one prompt per request is supported")),
+        Prompt::Text(s) => e
+            .tokenizer
+            .encode(&s)
+            .map_err(|e| ApiError::from_engine(e, "prompt"))?,
+        Prompt::Texts(v) if v.len() == 1 => e
+            .tokenizer
+            .encode(&v[0])
+            .map_err(|e| ApiError::from_engine(e, "prompt"))?,
+        Prompt::Texts(_) => {
+            return Err(ApiError::invalid(
+                Some("prompt".into()),
+                "only one prompt per request is supported",
+            ))
+        }
         Prompt::Tokens(t) => {
             let vocab = e.info.model.config.vocab_size as u32;
             if let Some(bad) = t.iter().find(|&&id| id >= vocab) {
-                return Err(ApiError::invalid(Some("prompt".into()), format!("token id {bad} is outside the vocabulary ({vocab})")));
+                return Err(ApiError::invalid(
+                    Some("prompt".into()),
+                    format!("token id {bad} is outside the vocabulary ({vocab})"),
+                ));
             }
             t
         }
@@ -136,26 +173,51 @@ async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<
         prompt_tokens,
         params,
         stream: req.common.stream,
-        include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     };
     run(state, p, Kind::Completion).await
 }
 
-async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let req: ChatRequest = parse(&body)?;
     check_model(&state, &req.common.model)?;
     let e = &state.engine;
     let msgs = openai::messages(&req.messages)?;
-    let text = e.chat_template.render(&msgs, true).map_err(|e| ApiError::from_engine(e, "messages"))?;
-    let prompt_tokens = e.tokenizer.encode(&text).map_err(|e| ApiError::from_engine(e, "messages"))?;
+    let text = e
+        .chat_template
+        .render(&msgs, true)
+        .map_err(|e| ApiError::from_engine(e, "messages"))?;
+    let prompt_tokens = e
+        .tokenizer
+        .encode(&text)
+        .map_err(|e| ApiError::from_engine(e, "messages"))?;
     // Like vLLM: without a limit, the rest of the context.
-    let default_max = e.info.max_model_len.saturating_sub(prompt_tokens.len()).max(1);
-    let params = openai::sampling(&req.common, req.max_completion_tokens.or(req.common.max_tokens), default_max)?;
+    let default_max = e
+        .info
+        .max_model_len
+        .saturating_sub(prompt_tokens.len())
+        .max(1);
+    let params = openai::sampling(
+        &req.common,
+        req.max_completion_tokens.or(req.common.max_tokens),
+        default_max,
+    )?;
     let p = Prepared {
         prompt_tokens,
         params,
         stream: req.common.stream,
-        include_usage: req.common.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
     };
     run(state, p, Kind::Chat).await
 }
@@ -194,7 +256,10 @@ impl Timer {
 async fn run(state: Arc<AppState>, p: Prepared, kind: Kind) -> Result<Response, ApiError> {
     let rx = state
         .engine
-        .submit(GenerateRequest { prompt_tokens: p.prompt_tokens, params: p.params })
+        .submit(GenerateRequest {
+            prompt_tokens: p.prompt_tokens,
+            params: p.params,
+        })
         .map_err(|e| ApiError::from_engine(e, kind.prompt_param()))?;
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
@@ -203,7 +268,9 @@ async fn run(state: Arc<AppState>, p: Prepared, kind: Kind) -> Result<Response, 
     };
     if p.stream {
         let stream = sse_stream(state, rx, kind, id, p.include_usage);
-        Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+        Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response())
     } else {
         collect(state, rx, kind, id).await
     }
@@ -213,8 +280,16 @@ fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
-async fn collect(state: Arc<AppState>, mut rx: UnboundedReceiver<Event>, kind: Kind, id: String) -> Result<Response, ApiError> {
-    let mut timer = Timer { start: Instant::now(), last: None };
+async fn collect(
+    state: Arc<AppState>,
+    mut rx: UnboundedReceiver<Event>,
+    kind: Kind,
+    id: String,
+) -> Result<Response, ApiError> {
+    let mut timer = Timer {
+        start: Instant::now(),
+        last: None,
+    };
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -222,14 +297,30 @@ async fn collect(state: Arc<AppState>, mut rx: UnboundedReceiver<Event>, kind: K
                 timer.token(&state.metrics, at);
                 text.push_str(&t);
             }
-            Event::Done { reason, prompt_tokens, completion_tokens, .. } => {
-                state.metrics.e2e.observe(timer.start.elapsed().as_secs_f64());
+            Event::Done {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                ..
+            } => {
+                state
+                    .metrics
+                    .e2e
+                    .observe(timer.start.elapsed().as_secs_f64());
                 state.metrics.requests_success.inc();
                 let choice = match kind {
-                    Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()}),
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason.as_str()}),
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()})
+                    }
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": reason.as_str()})
+                    }
                 };
-                let object = if kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+                let object = if kind == Kind::Chat {
+                    "chat.completion"
+                } else {
+                    "text_completion"
+                };
                 return Ok(Json(json!({
                     "id": id, "object": object, "created": unix_now(), "model": state.served_model_name,
                     "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
@@ -238,12 +329,21 @@ async fn collect(state: Arc<AppState>, mut rx: UnboundedReceiver<Event>, kind: K
             }
             Event::Error(msg) => {
                 state.metrics.requests_error.inc();
-                return Err(ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: msg, kind: "internal_error", param: None, code: None });
+                return Err(ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: msg,
+                    kind: "internal_error",
+                    param: None,
+                    code: None,
+                });
             }
         }
     }
     state.metrics.requests_error.inc();
-    Err(ApiError::from_engine(envelope_engine::EngineError::ShutDown, kind.prompt_param()))
+    Err(ApiError::from_engine(
+        envelope_engine::EngineError::ShutDown,
+        kind.prompt_param(),
+    ))
 }
 
 fn sse_stream(
@@ -254,7 +354,11 @@ fn sse_stream(
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>> {
     let created = unix_now();
-    let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+    let object = if kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
     let model = state.served_model_name.clone();
     let chunk = move |choices: Value, usage: Option<Value>| {
         let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
@@ -266,7 +370,9 @@ fn sse_stream(
         SseEvent::default().data(v.to_string())
     };
     let choice = move |text: Option<&str>, role: bool, finish: Option<&str>| match kind {
-        Kind::Completion => json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}]),
+        Kind::Completion => {
+            json!([{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}])
+        }
         Kind::Chat => {
             let mut delta = json!({});
             if role {
@@ -299,7 +405,19 @@ fn async_stream(
         done: bool,
         first: bool,
     }
-    let s = S { state, rx, timer: Timer { start: Instant::now(), last: None }, chunk, choice, pending: Default::default(), done: false, first: true };
+    let s = S {
+        state,
+        rx,
+        timer: Timer {
+            start: Instant::now(),
+            last: None,
+        },
+        chunk,
+        choice,
+        pending: Default::default(),
+        done: false,
+        first: true,
+    };
     futures::stream::unfold(s, move |mut s| async move {
         loop {
             if let Some(ev) = s.pending.pop_front() {
@@ -321,28 +439,55 @@ fn async_stream(
                         return Some((Ok(ev), s));
                     }
                 }
-                Some(Event::Done { reason, prompt_tokens, completion_tokens, .. }) => {
-                    s.state.metrics.e2e.observe(s.timer.start.elapsed().as_secs_f64());
+                Some(Event::Done {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                }) => {
+                    s.state
+                        .metrics
+                        .e2e
+                        .observe(s.timer.start.elapsed().as_secs_f64());
                     s.state.metrics.requests_success.inc();
-                    let text = if kind == Kind::Completion { Some("") } else { None };
-                    s.pending.push_back((s.chunk)((s.choice)(text, false, Some(reason.as_str())), None));
+                    let text = if kind == Kind::Completion {
+                        Some("")
+                    } else {
+                        None
+                    };
+                    s.pending.push_back((s.chunk)(
+                        (s.choice)(text, false, Some(reason.as_str())),
+                        None,
+                    ));
                     if include_usage {
-                        s.pending.push_back((s.chunk)(json!([]), Some(usage(prompt_tokens, completion_tokens))));
+                        s.pending.push_back((s.chunk)(
+                            json!([]),
+                            Some(usage(prompt_tokens, completion_tokens)),
+                        ));
                     }
                     s.pending.push_back(SseEvent::default().data("[DONE]"));
                     s.done = true;
                 }
                 Some(Event::Error(msg)) => {
                     s.state.metrics.requests_error.inc();
-                    let err = ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: msg, kind: "internal_error", param: None, code: None };
-                    s.pending.push_back(SseEvent::default().data(err.body().to_string()));
+                    let err = ApiError {
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: msg,
+                        kind: "internal_error",
+                        param: None,
+                        code: None,
+                    };
+                    s.pending
+                        .push_back(SseEvent::default().data(err.body().to_string()));
                     s.pending.push_back(SseEvent::default().data("[DONE]"));
                     s.done = true;
                 }
                 None => {
                     s.state.metrics.requests_error.inc();
-                    let err = ApiError::from_engine(envelope_engine::EngineError::ShutDown, "prompt");
-                    s.pending.push_back(SseEvent::default().data(err.body().to_string()));
+                    let err =
+                        ApiError::from_engine(envelope_engine::EngineError::ShutDown, "prompt");
+                    s.pending
+                        .push_back(SseEvent::default().data(err.body().to_string()));
                     s.done = true;
                 }
             }
@@ -353,7 +498,9 @@ fn async_stream(
 /// Serves until SIGTERM or Ctrl-C, then stops accepting and lets in-flight
 /// requests finish.
 pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-    axum::serve(listener, app(state)).with_graceful_shutdown(shutdown_signal()).await
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
 }
 
 async fn shutdown_signal() {

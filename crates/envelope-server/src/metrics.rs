@@ -62,18 +62,66 @@ impl ServerMetrics {
             engine,
             registry: Registry::default(),
         };
-        registry.register("envelope:num_requests_running", "Sequences in the running batch", m.running.clone());
-        registry.register("envelope:num_requests_waiting", "Sequences waiting to be scheduled", m.waiting.clone());
-        registry.register("envelope:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)", m.kv_usage.clone());
-        registry.register("envelope:kv_cache_blocks_total", "KV-cache blocks in the pool", m.kv_blocks_total.clone());
-        registry.register("envelope:num_preemptions", "Sequences preempted (recompute)", m.preemptions.clone());
-        registry.register("envelope:prompt_tokens", "Prompt tokens received", m.prompt_tokens.clone());
-        registry.register("envelope:generation_tokens", "Tokens generated", m.generation_tokens.clone());
-        registry.register("envelope:request_success", "Requests finished", m.requests_success.clone());
-        registry.register("envelope:request_error", "Requests that failed after admission", m.requests_error.clone());
-        registry.register("envelope:time_to_first_token_seconds", "Time to first token", m.ttft.clone());
-        registry.register("envelope:inter_token_latency_seconds", "Time between tokens", m.itl.clone());
-        registry.register("envelope:e2e_request_latency_seconds", "Request latency", m.e2e.clone());
+        registry.register(
+            "envelope:num_requests_running",
+            "Sequences in the running batch",
+            m.running.clone(),
+        );
+        registry.register(
+            "envelope:num_requests_waiting",
+            "Sequences waiting to be scheduled",
+            m.waiting.clone(),
+        );
+        registry.register(
+            "envelope:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0..1)",
+            m.kv_usage.clone(),
+        );
+        registry.register(
+            "envelope:kv_cache_blocks_total",
+            "KV-cache blocks in the pool",
+            m.kv_blocks_total.clone(),
+        );
+        registry.register(
+            "envelope:num_preemptions",
+            "Sequences preempted (recompute)",
+            m.preemptions.clone(),
+        );
+        registry.register(
+            "envelope:prompt_tokens",
+            "Prompt tokens received",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "envelope:generation_tokens",
+            "Tokens generated",
+            m.generation_tokens.clone(),
+        );
+        registry.register(
+            "envelope:request_success",
+            "Requests finished",
+            m.requests_success.clone(),
+        );
+        registry.register(
+            "envelope:request_error",
+            "Requests that failed after admission",
+            m.requests_error.clone(),
+        );
+        registry.register(
+            "envelope:time_to_first_token_seconds",
+            "Time to first token",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "envelope:inter_token_latency_seconds",
+            "Time between tokens",
+            m.itl.clone(),
+        );
+        registry.register(
+            "envelope:e2e_request_latency_seconds",
+            "Request latency",
+            m.e2e.clone(),
+        );
         ServerMetrics { registry, ..m }
     }
 
@@ -83,16 +131,26 @@ impl ServerMetrics {
         self.running.set(e.running.load(Ordering::Relaxed) as i64);
         self.waiting.set(e.waiting.load(Ordering::Relaxed) as i64);
         self.kv_usage.set(e.kv_usage());
-        self.kv_blocks_total.set(e.kv_blocks_total.load(Ordering::Relaxed) as i64);
+        self.kv_blocks_total
+            .set(e.kv_blocks_total.load(Ordering::Relaxed) as i64);
         let catch_up = |c: &Counter, v: u64| {
             let now = c.get();
             if v > now {
                 c.inc_by(v - now);
             }
         };
-        catch_up(&self.preemptions, e.preemptions_total.load(Ordering::Relaxed));
-        catch_up(&self.prompt_tokens, e.prompt_tokens_total.load(Ordering::Relaxed));
-        catch_up(&self.generation_tokens, e.generation_tokens_total.load(Ordering::Relaxed));
+        catch_up(
+            &self.preemptions,
+            e.preemptions_total.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.prompt_tokens,
+            e.prompt_tokens_total.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.generation_tokens,
+            e.generation_tokens_total.load(Ordering::Relaxed),
+        );
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out

@@ -87,22 +87,36 @@ fn yes() -> bool {
 
 /// Parses a JSON body into `T`, mapping syntax and type errors to 400s.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let text = std::str::from_utf8(body).map_err(|_| ApiError::invalid(None, "the request body is not valid UTF-8"))?;
+    let text = std::str::from_utf8(body)
+        .map_err(|_| ApiError::invalid(None, "the request body is not valid UTF-8"))?;
     serde_json::from_str(text).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() { "malformed JSON" } else { "invalid request" };
+        let what = if e.is_syntax() || e.is_eof() {
+            "malformed JSON"
+        } else {
+            "invalid request"
+        };
         ApiError::invalid(None, format!("{what}: {e}"))
     })
 }
 
 pub fn messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
     if raw.is_empty() {
-        return Err(ApiError::invalid(Some("messages".into()), "messages must not be empty"));
+        return Err(ApiError::invalid(
+            Some("messages".into()),
+            "messages must not be empty",
+        ));
     }
     raw.iter()
         .enumerate()
         .map(|(i, m)| {
-            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
-                return Err(ApiError::invalid(Some(format!("messages[{i}].role")), format!("unknown role `{}`", m.role)));
+            if !matches!(
+                m.role.as_str(),
+                "system" | "user" | "assistant" | "developer" | "tool"
+            ) {
+                return Err(ApiError::invalid(
+                    Some(format!("messages[{i}].role")),
+                    format!("unknown role `{}`", m.role),
+                ));
             }
             let content = match &m.content {
                 None | Some(Value::Null) => String::new(),
@@ -110,7 +124,10 @@ pub fn messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
                 Some(Value::Array(parts)) => {
                     let mut s = String::new();
                     for (j, p) in parts.iter().enumerate() {
-                        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        match (
+                            p.get("type").and_then(Value::as_str),
+                            p.get("text").and_then(Value::as_str),
+                        ) {
                             (Some("text"), Some(t)) => s.push_str(t),
                             _ => {
                                 return Err(ApiError::invalid(
@@ -129,21 +146,31 @@ pub fn messages(raw: &[RawMessage]) -> Result<Vec<ChatMessage>, ApiError> {
                     ))
                 }
             };
-            let role = if m.role == "developer" { "system".to_string() } else { m.role.clone() };
+            let role = if m.role == "developer" {
+                "system".to_string()
+            } else {
+                m.role.clone()
+            };
             Ok(ChatMessage { role, content })
         })
         .collect()
 }
 
 /// Sampling parameters from the request; `max_tokens` falls back to `default_max`.
-pub fn sampling(c: &Common, max_tokens: Option<i64>, default_max: usize) -> Result<SamplingParams, ApiError> {
+pub fn sampling(
+    c: &Common,
+    max_tokens: Option<i64>,
+    default_max: usize,
+) -> Result<SamplingParams, ApiError> {
     let bad = |p: &str, m: String| Err(ApiError::invalid(Some(p.to_string()), m));
     if let Some(n) = c.n {
         if n != 1 {
             return bad("n", format!("only n=1 is supported, got {n}"));
         }
     }
-    if matches!(c.logprobs, Some(Value::Bool(true)) | Some(Value::Number(_))) || c.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+    if matches!(c.logprobs, Some(Value::Bool(true)) | Some(Value::Number(_)))
+        || c.top_logprobs.as_ref().is_some_and(|v| !v.is_null())
+    {
         return bad("logprobs", "logprobs are not supported".into());
     }
     let temperature = c.temperature.unwrap_or(1.0);
@@ -170,7 +197,10 @@ pub fn sampling(c: &Common, max_tokens: Option<i64>, default_max: usize) -> Resu
         Some(StringOrList::Many(v)) => v.clone(),
     };
     if stop.len() > 16 {
-        return bad("stop", format!("at most 16 stop strings, got {}", stop.len()));
+        return bad(
+            "stop",
+            format!("at most 16 stop strings, got {}", stop.len()),
+        );
     }
     Ok(SamplingParams {
         temperature,

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set-up and the main job on a fresh machine: fetch the model, build, measure
+# the embedded engine, then serve it and ask it a question over the OpenAI API.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v cargo >/dev/null; then
+  echo "cargo is required (https://rustup.rs)" >&2
+  exit 1
+fi
+bash scripts/fetch-model.sh
+cargo build --release --locked
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+echo "== envelope bench-engine"
+target/release/envelope bench-engine --model "$MODEL" --kv-cache-bytes 512MiB
+
+echo "== envelope serve (loopback) and one chat request"
+log=$(mktemp)
+target/release/envelope serve --model "$MODEL" --port 0 --kv-cache-bytes 256MiB --served-model-name smollm2 >"$log" &
+pid=$!
+trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
+for _ in $(seq 1 120); do
+  url=$(sed -n 's/^envelope serve listening on //p' "$log")
+  [ -n "$url" ] && break
+  sleep 0.5
+done
+[ -n "$url" ] || { echo "server did not start" >&2; exit 1; }
+curl -sS "$url/v1/chat/completions" -H 'content-type: application/json' \
+  -d '{"model":"smollm2","messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":40,"temperature":0}'
+echo
+curl -sS "$url/metrics" | grep -E '^envelope:(num_requests_running|kv_cache_usage_perc|generation_tokens_total) '

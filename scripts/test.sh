@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every test: formatting and lints, the Rust unit and integration tests
+# (real SmolLM2 weights, real servers on loopback), and the official openai
+# Python client against `envelope serve`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== model"
+bash scripts/fetch-model.sh
+
+echo "== fmt and clippy"
+cargo fmt --all -- --check
+cargo clippy --workspace --release --all-targets --locked -- -D warnings
+
+echo "== cargo test"
+cargo test --release --locked --workspace
+
+echo "== openai python client"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+cargo build --release --locked
+ENVELOPE_BIN=target/release/envelope ENVELOPE_TEST_MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+  .venv/bin/python -m pytest -q tests/python

@@ -1,0 +1,93 @@
+//! Runs `envelope serve` on a free loopback port for a test and stops it on drop.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn smollm2() -> String {
+    if let Ok(p) = std::env::var("ENVELOPE_TEST_MODEL") {
+        return p;
+    }
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-model.sh first",
+        p.display()
+    );
+    p.display().to_string()
+}
+
+pub struct Server {
+    child: Child,
+    pub base: String,
+}
+
+impl Server {
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .arg("serve")
+            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(args)
+            .env("ENVELOPE_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("envelope binary runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("envelope serve listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("server started within 120 s");
+        Server { child, base }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    /// The value of an unlabelled sample in `/metrics`.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|rest| rest.strip_prefix(' '))
+                    .map(|v| v.trim().parse::<f64>().unwrap())
+            })
+            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+    }
+
+    /// Polls until `f` is true or `timeout` passes.
+    pub async fn wait_for<F: Fn(f64) -> bool>(&self, name: &str, timeout: Duration, f: F) -> f64 {
+        let start = Instant::now();
+        loop {
+            let v = self.metric(name).await;
+            if f(v) || start.elapsed() > timeout {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
