@@ -13,6 +13,7 @@ pub mod linear;
 pub mod load;
 pub mod model;
 pub mod precision;
+pub mod qgemm;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;

@@ -4,6 +4,7 @@
 
 use crate::error::Result;
 use crate::precision::Precision;
+use crate::qgemm::{QFormat, QMatrix};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use std::sync::Arc;
@@ -34,8 +35,27 @@ impl RawWeight {
 /// A matrix `[out, in]` in its load precision.
 #[derive(Clone)]
 pub enum Matrix {
+    /// Q4_0 / Q4_1 / Q8_0 blocks, multiplied by our own kernel (`qgemm`).
+    Blocks(Arc<QMatrix>),
+    /// Other GGUF block formats (k-quants), multiplied by candle.
     Quant(Arc<QTensor>),
     Dense(Tensor),
+}
+
+/// Moves a candle `QTensor` into our block matrix when we have a kernel for its format.
+fn blocks_or_quant(q: QTensor) -> Result<Matrix> {
+    let format = match q.dtype() {
+        GgmlDType::Q4_0 => Some(QFormat::Q4_0),
+        GgmlDType::Q4_1 => Some(QFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(QFormat::Q8_0),
+        _ => None,
+    };
+    if let (Some(f), Ok((n, k))) = (format, q.shape().dims2()) {
+        if let Some(m) = QMatrix::new(f, n, k, q.data()?.into_owned()) {
+            return Ok(Matrix::Blocks(Arc::new(m)));
+        }
+    }
+    Ok(Matrix::Quant(Arc::new(q)))
 }
 
 impl Matrix {
@@ -45,7 +65,7 @@ impl Matrix {
         };
         let quant = |raw: &RawWeight, dt: GgmlDType| -> Result<Matrix> {
             let f = raw.to_f32()?;
-            Ok(Matrix::Quant(Arc::new(QTensor::quantize(&f, dt)?)))
+            blocks_or_quant(QTensor::quantize(&f, dt)?)
         };
         match precision {
             Precision::AsStored => match raw {
@@ -53,7 +73,7 @@ impl Matrix {
                     GgmlDType::F32 => dense(q.dequantize(&Device::Cpu)?, DType::F32),
                     GgmlDType::F16 => dense(q.dequantize(&Device::Cpu)?, DType::F16),
                     GgmlDType::BF16 => dense(q.dequantize(&Device::Cpu)?, DType::BF16),
-                    _ => Ok(Matrix::Quant(Arc::new(q))),
+                    _ => blocks_or_quant(q),
                 },
                 RawWeight::Dense(t) => Ok(Matrix::Dense(t.contiguous()?)),
             },
@@ -68,6 +88,7 @@ impl Matrix {
     /// Bytes the weight occupies in memory.
     pub fn bytes(&self) -> usize {
         match self {
+            Matrix::Blocks(b) => b.bytes(),
             Matrix::Quant(q) => q.storage_size_in_bytes(),
             Matrix::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
         }
@@ -75,6 +96,7 @@ impl Matrix {
 
     pub fn dims2(&self) -> Result<(usize, usize)> {
         Ok(match self {
+            Matrix::Blocks(b) => (b.n, b.k),
             Matrix::Quant(q) => q.shape().dims2()?,
             Matrix::Dense(t) => t.dims2()?,
         })
@@ -83,6 +105,7 @@ impl Matrix {
     /// Short name of the storage format (`q4_1`, `bf16`, ...).
     pub fn format(&self) -> String {
         match self {
+            Matrix::Blocks(b) => b.format.name().to_string(),
             Matrix::Quant(q) => format!("{:?}", q.dtype()).to_lowercase(),
             Matrix::Dense(t) => t.dtype().as_str().to_string(),
         }
@@ -92,6 +115,19 @@ impl Matrix {
     pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
         let ids_t = Tensor::new(ids, &Device::Cpu)?;
         Ok(match self {
+            Matrix::Blocks(b) => {
+                let mut out = vec![0f32; ids.len() * b.k];
+                for (row, &id) in out.chunks_exact_mut(b.k).zip(ids) {
+                    if id as usize >= b.n {
+                        return Err(crate::error::EngineError::InvalidRequest {
+                            param: "prompt",
+                            message: format!("token id {id} is outside the vocabulary ({})", b.n),
+                        });
+                    }
+                    b.dequantize_row(id as usize, row);
+                }
+                Tensor::from_vec(out, (ids.len(), b.k), &Device::Cpu)?
+            }
             Matrix::Quant(q) => q.embedding(&ids_t)?,
             Matrix::Dense(t) => t.index_select(&ids_t, 0)?.to_dtype(DType::F32)?,
         })
@@ -110,7 +146,7 @@ impl Linear {
     pub fn new(weight: Matrix, bias: Option<Tensor>) -> Linear {
         let qmatmul = match &weight {
             Matrix::Quant(q) => Some(QMatMul::QTensor(q.clone())),
-            Matrix::Dense(_) => None,
+            Matrix::Dense(_) | Matrix::Blocks(_) => None,
         };
         Linear {
             weight,
@@ -126,6 +162,11 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match (&self.weight, &self.qmatmul) {
             (_, Some(q)) => q.forward(x)?,
+            (Matrix::Blocks(b), None) => {
+                let (m, _) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                Tensor::from_vec(crate::qgemm::matmul(b, &xs, m), (m, b.n), &Device::Cpu)?
+            }
             (Matrix::Dense(w), None) => {
                 if w.dtype() == DType::F32 {
                     x.matmul(&w.t()?)?

@@ -132,7 +132,7 @@ fn hf_safetensors_directory_loads_and_matches_the_same_weights() {
     std::fs::create_dir_all(&dir).unwrap();
     let dense = |m: &Matrix| match m {
         Matrix::Dense(t) => t.clone(),
-        Matrix::Quant(_) => panic!("f32 load is dense"),
+        Matrix::Quant(_) | Matrix::Blocks(_) => panic!("f32 load is dense"),
     };
     let w = &dummy.model.weights;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
