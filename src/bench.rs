@@ -76,6 +76,13 @@ fn add(
 }
 
 pub fn run(args: &BenchArgs) -> Result<BenchReport> {
+    // Like the engine thread: step on a worker of the compute pool.
+    rayon::ThreadPoolBuilder::new()
+        .build()?
+        .install(|| run_in_pool(args))
+}
+
+fn run_in_pool(args: &BenchArgs) -> Result<BenchReport> {
     let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())?;
     let vocab = loaded.model.config.vocab_size;
     let info = loaded.info.clone();
