@@ -27,6 +27,33 @@ pub enum Command {
     BenchEngine(BenchArgs),
     /// Generate a completion for one prompt and print it.
     Generate(GenerateArgs),
+    /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
+    Probe(ProbeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ProbeArgs {
+    /// Print JSON instead of text (one object per line with --watch).
+    #[arg(long)]
+    pub json: bool,
+    /// An inference server to read: its base URL or its /metrics URL (vLLM, SGLang, TGI, llama.cpp, envelope).
+    #[arg(long, env = "ENVELOPE_PROBE_SERVER")]
+    pub server: Option<String>,
+    /// Keep sampling every --interval-ms until interrupted (or --count samples).
+    #[arg(long)]
+    pub watch: bool,
+    /// Interval between samples with --watch, in milliseconds.
+    #[arg(long, env = "ENVELOPE_PROBE_INTERVAL_MS", default_value_t = 1000)]
+    pub interval_ms: u64,
+    /// Stop --watch after this many samples.
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// A model to identify (file and SHA-256, directory, or dummy:<preset>[@seed]).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Process whose memory is reported (default: this one).
+    #[arg(long)]
+    pub pid: Option<u32>,
 }
 
 #[derive(Args, Debug, Clone)]

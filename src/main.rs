@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod probe;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -37,6 +38,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::Probe(args) => probe::run(&args),
         Command::Generate(args) => {
             args.engine.apply_threads();
             let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())

@@ -338,10 +338,11 @@ async fn a_client_that_disconnects_frees_its_sequence_and_blocks() {
                 .await
                 .unwrap();
             if stream {
-                let _ = r.chunk().await; // read one event, then hang up
-            } else {
-                tokio::time::sleep(Duration::from_secs(100)).await;
+                // Tokens are flowing; hold the connection until the test aborts this task.
+                assert!(r.chunk().await.unwrap().is_some());
             }
+            tokio::time::sleep(Duration::from_secs(100)).await;
+            drop(r);
         });
         let running = s
             .wait_for(

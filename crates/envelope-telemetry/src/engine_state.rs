@@ -1,0 +1,282 @@
+//! Inference-server metrics: fetch `/metrics`, parse the Prometheus (or
+//! OpenMetrics) text with `openmetrics-parser`, detect the engine from its
+//! metric names, and map them to one [`EngineState`]. A field the engine
+//! does not expose is `None`, never zero; a NaN, negative or out-of-range
+//! value is dropped and named in `rejected`.
+
+use openmetrics_parser::{MetricNumber, OpenMetricsValue, PrometheusValue};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+    Tgi,
+    LlamaCpp,
+    Envelope,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineState {
+    pub engine: EngineKind,
+    /// When the text was fetched (or parsed), ms since the Unix epoch.
+    pub fetched_unix_ms: u64,
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    /// KV-cache use, 0..1.
+    pub kv_usage: Option<f64>,
+    pub preemptions_total: Option<f64>,
+    pub prompt_tokens_total: Option<f64>,
+    pub generation_tokens_total: Option<f64>,
+    /// Metrics present but unusable (NaN, negative, out of range), by name.
+    pub rejected: Vec<String>,
+}
+
+impl EngineState {
+    pub fn age_ms(&self) -> u64 {
+        crate::unix_ms().saturating_sub(self.fetched_unix_ms)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot reach {url}: {message}")]
+    Unreachable { url: String, message: String },
+    #[error("{url} answered HTTP {status}")]
+    Http { url: String, status: u16 },
+    #[error("not Prometheus text: {0}")]
+    NotPrometheus(String),
+    #[error("no known engine metrics (vllm:, sglang:, tgi_, llamacpp:, envelope:) in the text")]
+    UnknownEngine,
+}
+
+/// Every sample value of each family, keyed by family name (counters also
+/// under their `_total` name) and histogram sums under `<name>_sum`.
+#[derive(Default)]
+struct Families(HashMap<String, Vec<f64>>);
+
+impl Families {
+    fn push(&mut self, name: &str, v: f64) {
+        self.0.entry(name.to_string()).or_default().push(v);
+    }
+    fn get(&self, name: &str) -> Option<&Vec<f64>> {
+        self.0
+            .get(name)
+            .or_else(|| self.0.get(&format!("{name}_total")))
+            .or_else(|| name.strip_suffix("_total").and_then(|n| self.0.get(n)))
+    }
+}
+
+fn num(n: &MetricNumber) -> f64 {
+    n.as_f64()
+}
+
+fn parse_families(text: &str) -> Result<Families, MetricsError> {
+    let mut f = Families::default();
+    let is_openmetrics = text.lines().any(|l| l.trim() == "# EOF");
+    if is_openmetrics {
+        let exp = openmetrics_parser::openmetrics::parse_openmetrics(text)
+            .map_err(|e| MetricsError::NotPrometheus(e.to_string()))?;
+        for (name, fam) in exp.families {
+            for s in fam.iter_samples() {
+                match &s.value {
+                    OpenMetricsValue::Gauge(n)
+                    | OpenMetricsValue::Unknown(n)
+                    | OpenMetricsValue::StateSet(n) => f.push(&name, num(n)),
+                    OpenMetricsValue::Counter(c) => {
+                        f.push(&name, num(&c.value));
+                        f.push(&format!("{name}_total"), num(&c.value));
+                    }
+                    OpenMetricsValue::Histogram(h) | OpenMetricsValue::GaugeHistogram(h) => {
+                        if let Some(sum) = &h.sum {
+                            f.push(&format!("{name}_sum"), num(sum));
+                        }
+                    }
+                    OpenMetricsValue::Summary(sv) => {
+                        if let Some(sum) = &sv.sum {
+                            f.push(&format!("{name}_sum"), num(sum));
+                        }
+                    }
+                    OpenMetricsValue::Info => {}
+                }
+            }
+        }
+    } else {
+        let exp = openmetrics_parser::prometheus::parse_prometheus(text)
+            .map_err(|e| MetricsError::NotPrometheus(e.to_string()))?;
+        for (name, fam) in exp.families {
+            for s in fam.iter_samples() {
+                match &s.value {
+                    PrometheusValue::Gauge(n) | PrometheusValue::Unknown(n) => {
+                        f.push(&name, num(n))
+                    }
+                    PrometheusValue::Counter(c) => f.push(&name, num(&c.value)),
+                    PrometheusValue::Histogram(h) => {
+                        if let Some(sum) = &h.sum {
+                            f.push(&format!("{name}_sum"), num(sum));
+                        }
+                    }
+                    PrometheusValue::Summary(sv) => {
+                        if let Some(sum) = &sv.sum {
+                            f.push(&format!("{name}_sum"), num(sum));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(f)
+}
+
+fn detect(f: &Families) -> Option<EngineKind> {
+    let has = |p: &str| f.0.keys().any(|k| k.starts_with(p));
+    [
+        ("vllm:", EngineKind::Vllm),
+        ("sglang:", EngineKind::Sglang),
+        ("tgi_", EngineKind::Tgi),
+        ("llamacpp:", EngineKind::LlamaCpp),
+        ("envelope:", EngineKind::Envelope),
+    ]
+    .into_iter()
+    .find(|(p, _)| has(p))
+    .map(|(_, k)| k)
+}
+
+/// Reads one field: counts are summed over label sets, ratios take the
+/// largest (the most loaded engine of a data-parallel group).
+struct Reader<'a> {
+    f: &'a Families,
+    rejected: Vec<String>,
+}
+
+impl Reader<'_> {
+    fn valid(&mut self, name: &str, vs: &[f64], max: Option<f64>) -> bool {
+        let ok = vs
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0 && max.is_none_or(|m| *v <= m + 1e-9));
+        if !ok {
+            self.rejected.push(name.to_string());
+        }
+        ok
+    }
+    fn sum(&mut self, names: &[&str]) -> Option<f64> {
+        let (name, vs) = names
+            .iter()
+            .find_map(|n| self.f.get(n).map(|v| (*n, v.clone())))?;
+        self.valid(name, &vs, None).then(|| vs.iter().sum())
+    }
+    fn ratio(&mut self, names: &[&str]) -> Option<f64> {
+        let (name, vs) = names
+            .iter()
+            .find_map(|n| self.f.get(n).map(|v| (*n, v.clone())))?;
+        self.valid(name, &vs, Some(1.0))
+            .then(|| vs.iter().copied().fold(0.0, f64::max))
+    }
+}
+
+/// Maps Prometheus text from a known engine to an [`EngineState`].
+pub fn parse_engine_state(text: &str) -> Result<EngineState, MetricsError> {
+    let f = parse_families(text)?;
+    let engine = detect(&f).ok_or(MetricsError::UnknownEngine)?;
+    let mut r = Reader {
+        f: &f,
+        rejected: vec![],
+    };
+    let (
+        running,
+        waiting,
+        kv_usage,
+        preemptions_total,
+        prompt_tokens_total,
+        generation_tokens_total,
+    ) = match engine {
+        EngineKind::Vllm | EngineKind::Envelope => {
+            let p = if engine == EngineKind::Vllm {
+                "vllm"
+            } else {
+                "envelope"
+            };
+            let n = |s: &str| format!("{p}:{s}");
+            (
+                r.sum(&[&n("num_requests_running")]),
+                r.sum(&[&n("num_requests_waiting")]),
+                r.ratio(&[&n("kv_cache_usage_perc"), &n("gpu_cache_usage_perc")]),
+                r.sum(&[&n("num_preemptions_total")]),
+                r.sum(&[&n("prompt_tokens_total")]),
+                r.sum(&[&n("generation_tokens_total")]),
+            )
+        }
+        EngineKind::Sglang => (
+            r.sum(&["sglang:num_running_reqs"]),
+            r.sum(&["sglang:num_queue_reqs"]),
+            r.ratio(&["sglang:token_usage"]),
+            None,
+            r.sum(&["sglang:prompt_tokens_total"]),
+            r.sum(&["sglang:generation_tokens_total"]),
+        ),
+        EngineKind::Tgi => {
+            let used = r.sum(&["tgi_batch_current_max_tokens"]);
+            let total = r.sum(&["tgi_batch_max_total_tokens"]);
+            let kv = match (used, total) {
+                (Some(u), Some(t)) if t > 0.0 && u <= t => Some(u / t),
+                (Some(_), Some(_)) => {
+                    r.rejected.push("tgi_batch_current_max_tokens".into());
+                    None
+                }
+                _ => None,
+            };
+            (
+                r.sum(&["tgi_batch_current_size"]),
+                r.sum(&["tgi_queue_size"]),
+                kv,
+                None,
+                r.sum(&["tgi_request_input_length_sum"]),
+                r.sum(&["tgi_request_generated_tokens_sum"]),
+            )
+        }
+        EngineKind::LlamaCpp => (
+            r.sum(&["llamacpp:requests_processing"]),
+            r.sum(&["llamacpp:requests_deferred"]),
+            r.ratio(&["llamacpp:kv_cache_usage_ratio"]),
+            None,
+            r.sum(&["llamacpp:prompt_tokens_total"]),
+            r.sum(&["llamacpp:tokens_predicted_total"]),
+        ),
+    };
+    Ok(EngineState {
+        engine,
+        fetched_unix_ms: crate::unix_ms(),
+        running,
+        waiting,
+        kv_usage,
+        preemptions_total,
+        prompt_tokens_total,
+        generation_tokens_total,
+        rejected: r.rejected,
+    })
+}
+
+/// GETs `url` (a `/metrics` endpoint) and parses it.
+pub async fn fetch_engine_state(url: &str, timeout: Duration) -> Result<EngineState, MetricsError> {
+    let unreachable = |e: reqwest::Error| MetricsError::Unreachable {
+        url: url.to_string(),
+        message: e.to_string(),
+    };
+    let client = reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .map_err(unreachable)?;
+    let resp = client.get(url).send().await.map_err(unreachable)?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        return Err(MetricsError::Http {
+            url: url.to_string(),
+            status,
+        });
+    }
+    let text = resp.text().await.map_err(unreachable)?;
+    parse_engine_state(&text)
+}
