@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set-up and the main job on a fresh machine: fetch the model, build, measure
-# the embedded engine, then serve it and ask it a question over the OpenAI API.
+# Set-up and the main job on a fresh machine: fetch the model, build, sweep
+# bench-configs/quickstart.toml (2 precisions x 2 batch policies x 3 buckets on
+# the embedded CPU engine) into sweep-out/quickstart, then serve the model and
+# ask it a question over the OpenAI API.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,9 +13,10 @@ fi
 bash scripts/fetch-model.sh
 cargo build --release --locked
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+OUT=${ENVELOPE_QUICKSTART_OUT:-sweep-out/quickstart}
 
-echo "== envelope bench-engine"
-target/release/envelope bench-engine --model "$MODEL" --kv-cache-bytes 512MiB
+echo "== envelope sweep --config bench-configs/quickstart.toml --out $OUT"
+target/release/envelope sweep --config bench-configs/quickstart.toml --out "$OUT"
 
 echo "== envelope serve (loopback) and one chat request"
 log=$(mktemp)
@@ -29,4 +32,4 @@ done
 curl -sS "$url/v1/chat/completions" -H 'content-type: application/json' \
   -d '{"model":"smollm2","messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":40,"temperature":0}'
 echo
-curl -sS "$url/metrics" | grep -E '^envelope:(num_requests_running|kv_cache_usage_perc|generation_tokens_total) '
+target/release/envelope probe --server "$url"

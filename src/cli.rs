@@ -27,8 +27,26 @@ pub enum Command {
     BenchEngine(BenchArgs),
     /// Generate a completion for one prompt and print it.
     Generate(GenerateArgs),
+    /// Sweep precision x batch policy x context bucket and write safe operating points as a profile.
+    Sweep(SweepArgs),
     /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
     Probe(ProbeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SweepArgs {
+    /// The bench config (TOML; see bench-configs/).
+    #[arg(long, env = "ENVELOPE_SWEEP_CONFIG")]
+    pub config: PathBuf,
+    /// Directory for profile.json, requests.csv and probes.csv.
+    #[arg(long, env = "ENVELOPE_SWEEP_OUT", default_value = "sweep-out")]
+    pub out: PathBuf,
+    /// Print the profile as JSON instead of the summary table.
+    #[arg(long)]
+    pub json: bool,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "ENVELOPE_THREADS")]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args, Debug)]

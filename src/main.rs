@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod probe;
+mod sweep;
 
 use anyhow::{Context, Result};
 use clap::Parser;
@@ -39,6 +40,12 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
+        Command::Sweep(args) => {
+            if let Some(n) = args.threads {
+                std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+            }
+            sweep::run(&args)
+        }
         Command::Generate(args) => {
             args.engine.apply_threads();
             let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())

@@ -422,6 +422,7 @@ impl Engine {
         let mut row = 0;
         let now = Instant::now();
         let mut decode_tokens = 0;
+        let mut finished = Vec::new();
         for w in &plan.work {
             self.scheduler.advance(w.id, w.len);
             if !w.samples {
@@ -449,21 +450,26 @@ impl Engine {
             );
             if let Some(reason) = finish {
                 let seq = self.seqs.remove(&w.id).expect("exists");
-                let _ = seq.tx.send(Event::Done {
-                    reason,
-                    prompt_tokens: seq.prompt_len,
-                    completion_tokens: seq.tokens.len() - seq.prompt_len,
-                    preemptions: seq.preemptions,
-                    at: now,
-                });
                 self.scheduler.remove(w.id);
                 self.metrics
                     .requests_finished_total
                     .fetch_add(1, Ordering::Relaxed);
+                finished.push((seq, reason));
             }
         }
         self.step += 1;
+        // Publish before telling clients they are done, so a client that
+        // reads the metrics after its response sees its blocks freed.
         self.publish();
+        for (seq, reason) in finished {
+            let _ = seq.tx.send(Event::Done {
+                reason,
+                prompt_tokens: seq.prompt_len,
+                completion_tokens: seq.tokens.len() - seq.prompt_len,
+                preemptions: seq.preemptions,
+                at: now,
+            });
+        }
         let stats = StepStats {
             step: self.step,
             prefill_tokens: plan.num_tokens() - decode_tokens,

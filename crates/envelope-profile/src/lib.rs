@@ -1,0 +1,11 @@
+//! The profile: measured safe operating points, versioned, as the harness
+//! writes them and the governor enforces them. Also the plain arithmetic
+//! around them (KV capacity, headroom) and the concurrency search bracket.
+//! No GPU, no async, no engine: everything here is data and unit-tested.
+
+pub mod capacity;
+pub mod schema;
+pub mod search;
+
+pub use schema::*;
+pub use search::{Bracket, Step};

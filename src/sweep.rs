@@ -1,0 +1,84 @@
+//! `envelope sweep`: runs a bench config and writes the profile and raw data.
+
+use crate::cli::SweepArgs;
+use anyhow::{Context, Result};
+use envelope_harness::BenchConfig;
+use envelope_telemetry::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerprint};
+
+pub fn run(args: &SweepArgs) -> Result<()> {
+    let cfg = BenchConfig::load(&args.config)?;
+    let model = ModelIdentity::from_spec(&cfg.model)
+        .with_context(|| format!("{}: target.model {}", args.config.display(), cfg.model))?;
+    let fp = Fingerprint {
+        schema: envelope_telemetry::fingerprint::FINGERPRINT_SCHEMA,
+        node: NodeFingerprint::read(),
+        engine: EngineIdentity {
+            name: "envelope".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            flags: std::env::args().skip(1).collect(),
+        },
+        model,
+        precision: cfg
+            .points
+            .iter()
+            .map(|p| p.precision.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+        kv_dtype: cfg
+            .points
+            .iter()
+            .map(|p| p.kv_dtype.to_string())
+            .collect::<Vec<_>>()
+            .join(","),
+    };
+    let start = std::time::Instant::now();
+    let out = envelope_harness::run_sweep(&cfg, serde_json::to_value(&fp)?, &mut |line| {
+        eprintln!("[{:>6.1}s] {line}", start.elapsed().as_secs_f64())
+    });
+    out.write(&args.out)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    let p = &out.profile;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(p)?);
+        return Ok(());
+    }
+    println!(
+        "{:<28} {:>9} {:>8} {:>6} {:>14} {:>12} {:>12} {:>11}",
+        "config", "bucket", "feasible", "safe", "binding", "out tok/s", "ttft p95 ms", "itl p95 ms"
+    );
+    for c in &p.configs {
+        if let Some(e) = &c.error {
+            println!("{:<28} error: {e}", c.name);
+            continue;
+        }
+        for b in &c.buckets {
+            let at = b.at_feasible.as_ref();
+            println!(
+                "{:<28} {:>9} {:>8} {:>6} {:>14} {:>12.1} {:>12.1} {:>11.1}",
+                c.name,
+                format!("{}x{}", b.input_tokens, b.output_tokens),
+                b.feasible_concurrency,
+                b.safe_concurrency,
+                b.binding_constraint.as_str(),
+                at.map_or(0.0, |a| a.output_tok_per_s),
+                at.map_or(0.0, |a| a.ttft_ms.p95),
+                at.map_or(0.0, |a| a.itl_ms.p95),
+            );
+        }
+    }
+    println!(
+        "{} probes in {:.0} s; selected {}; limits: context {} tokens, output {} tokens, {} sequences, {} KV tokens in flight",
+        p.probes_total,
+        start.elapsed().as_secs_f64(),
+        p.selected,
+        p.limits.max_context_tokens,
+        p.limits.max_output_tokens,
+        p.limits.max_concurrent_seqs,
+        p.limits.max_kv_tokens_in_flight
+    );
+    println!(
+        "wrote {}/profile.json, requests.csv, probes.csv",
+        args.out.display()
+    );
+    Ok(())
+}
