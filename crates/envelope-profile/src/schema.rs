@@ -2,12 +2,13 @@
 //! describes the same shape). Parse, then validate: [`Profile::from_json`]
 //! rejects a profile the governor could not enforce, naming the field.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub const PROFILE_SCHEMA: &str = "envelope.profile/v1";
 
 /// Why a probe or a configuration stopped being feasible.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Constraint {
     TtftP95,
@@ -42,7 +43,7 @@ impl Constraint {
 }
 
 /// Service-level objectives a probe must meet.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Slo {
     pub ttft_p95_ms: Option<f64>,
@@ -84,7 +85,7 @@ impl Default for Slo {
 }
 
 /// One probe: a fixed concurrency held for a number of requests.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
 pub struct ProbeSummary {
     pub concurrency: u32,
     pub requests: u64,
@@ -110,7 +111,7 @@ pub struct ProbeSummary {
     pub valid: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
 pub struct Percentiles {
     pub p50: f64,
     pub p95: f64,
@@ -119,7 +120,7 @@ pub struct Percentiles {
     pub mean: f64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct BucketResult {
     pub input_tokens: u32,
     pub output_tokens: u32,
@@ -134,7 +135,7 @@ pub struct BucketResult {
     pub probes: Vec<ProbeSummary>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
 pub struct MemoryReport {
     pub weight_bytes: u64,
     /// Parameters x bytes per parameter of the precision, for comparison.
@@ -145,7 +146,7 @@ pub struct MemoryReport {
 }
 
 /// One point of the matrix: precision x KV dtype x batch policy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ConfigResult {
     pub name: String,
     pub precision: String,
@@ -159,7 +160,7 @@ pub struct ConfigResult {
 }
 
 /// What the governor enforces.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     pub max_context_tokens: u64,
@@ -168,7 +169,7 @@ pub struct Limits {
     pub max_kv_tokens_in_flight: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Profile {
     pub schema: String,
     pub created_unix_ms: u64,
@@ -180,6 +181,11 @@ pub struct Profile {
     pub selected: String,
     pub limits: Limits,
     pub probes_total: u32,
+}
+
+/// The JSON Schema of [`Profile`] (committed as `profiles/schema/profile.schema.json`).
+pub fn json_schema() -> serde_json::Value {
+    serde_json::to_value(schemars::schema_for!(Profile)).unwrap_or_default()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -248,6 +254,17 @@ mod tests {
             },
             probes_total: 0,
         }
+    }
+
+    #[test]
+    fn committed_json_schema_is_current() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/schema/profile.schema.json");
+        let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
+        if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
+            std::fs::write(path, &want).unwrap();
+        }
+        let have = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(have == want, "{path} is stale: run ENVELOPE_WRITE_SCHEMA=1 cargo test -p envelope-profile");
     }
 
     #[test]
