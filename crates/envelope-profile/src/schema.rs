@@ -258,13 +258,19 @@ mod tests {
 
     #[test]
     fn committed_json_schema_is_current() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/schema/profile.schema.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../profiles/schema/profile.schema.json"
+        );
         let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
         if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
             std::fs::write(path, &want).unwrap();
         }
         let have = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(have == want, "{path} is stale: run ENVELOPE_WRITE_SCHEMA=1 cargo test -p envelope-profile");
+        assert!(
+            have == want,
+            "{path} is stale: run ENVELOPE_WRITE_SCHEMA=1 cargo test -p envelope-profile"
+        );
     }
 
     #[test]
