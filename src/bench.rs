@@ -5,6 +5,7 @@
 use crate::cli::BenchArgs;
 use anyhow::Result;
 use envelope_engine::engine::Engine;
+use envelope_engine::util::synthetic_prompt;
 use envelope_engine::{Event, GenerateRequest, SamplingParams};
 use serde::Serialize;
 use std::sync::Arc;
@@ -30,15 +31,6 @@ pub struct AggregatePoint {
     pub decode_tok_per_s: f64,
     pub per_seq_tok_per_s: f64,
     pub mean_step_ms: f64,
-}
-
-/// Deterministic prompt of exactly `n` ordinary token ids.
-pub fn synthetic_prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let lo = 300.min(vocab as u64 / 2);
-    let span = (vocab as u64 - lo).clamp(1, 20_000);
-    (0..n as u64)
-        .map(|i| (lo + envelope_engine::weights::splitmix64(i ^ (salt << 32)) % span) as u32)
-        .collect()
 }
 
 fn cpu_model() -> String {

@@ -227,25 +227,8 @@ pub struct GenerateArgs {
 
 /// `1048576`, `512M`, `512MiB`, `2G`, `1.5GiB`.
 pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let num: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a byte size (e.g. 1073741824, 512MiB, 2G)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "ki" | "kib" => 1024.0,
-        "mi" | "mib" => 1024.0 * 1024.0,
-        "gi" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        other => return Err(format!("unknown unit `{other}` in `{s}`")),
-    };
-    Ok((num * mult) as usize)
+    envelope_engine::util::parse_bytes(s)
+        .ok_or_else(|| format!("`{s}` is not a byte size (e.g. 1073741824, 512MiB, 2G)"))
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ pub mod qgemm;
 pub mod sampling;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod util;
 pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};

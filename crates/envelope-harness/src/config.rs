@@ -143,26 +143,7 @@ pub struct BenchConfig {
     pub slo: Slo,
 }
 
-/// `1024`, `512MiB`, `2G`.
-pub fn parse_bytes(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let num: f64 = num.parse().ok()?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "ki" | "kib" => 1024.0,
-        "mi" | "mib" => 1048576.0,
-        "gi" | "gib" => 1073741824.0,
-        _ => return None,
-    };
-    Some((num * mult) as usize)
-}
+pub use envelope_engine::util::parse_bytes;
 
 impl BenchConfig {
     pub fn load(path: &Path) -> Result<BenchConfig, ConfigError> {

@@ -33,14 +33,7 @@ pub struct ProbeRun {
     pub max_client_gap_s: f64,
 }
 
-/// Deterministic prompt of exactly `n` ordinary token ids.
-pub fn synthetic_prompt(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let lo = 300.min(vocab as u64 / 2);
-    let span = (vocab as u64 - lo).clamp(1, 20_000);
-    (0..n as u64)
-        .map(|i| (lo + envelope_engine::weights::splitmix64(i ^ (salt << 32)) % span) as u32)
-        .collect()
-}
+pub use envelope_engine::util::synthetic_prompt;
 
 pub fn closed_loop(
     engine: &EngineHandle,
