@@ -32,9 +32,29 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             .join(","),
     };
     let start = std::time::Instant::now();
+    // Probes expected: exponential phase plus bisection, per point and bucket.
+    let levels = (cfg.concurrency_max.min(cfg.max_num_seqs) as f64)
+        .log2()
+        .ceil() as u64;
+    let expected = (cfg.points.len() * cfg.buckets.len()) as u64 * (2 * levels + 1);
+    let bar = indicatif::ProgressBar::new(expected);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:30}] {pos}/~{len} probes, ETA {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     let out = envelope_harness::run_sweep(&cfg, serde_json::to_value(&fp)?, &mut |line| {
-        eprintln!("[{:>6.1}s] {line}", start.elapsed().as_secs_f64())
+        if bar.is_hidden() {
+            eprintln!("[{:>6.1}s] {line}", start.elapsed().as_secs_f64());
+        }
+        if bar.position() >= bar.length().unwrap_or(0) {
+            bar.inc_length(1);
+        }
+        bar.inc(1);
+        bar.set_message(line.to_string());
     });
+    bar.finish_and_clear();
     out.write(&args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     let p = &out.profile;
