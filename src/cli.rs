@@ -29,6 +29,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Sweep precision x batch policy x context bucket and write safe operating points as a profile.
     Sweep(SweepArgs),
+    /// Write report.md and report.html for a profile (next to it, or into --out).
+    Report(ReportArgs),
     /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
     Probe(ProbeArgs),
 }
@@ -47,6 +49,16 @@ pub struct SweepArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
     pub threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// A profile written by `envelope sweep`.
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Directory for the reports (default: the profile's directory).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

@@ -40,6 +40,29 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
+        Command::Report(args) => {
+            let path = args.profile.display().to_string();
+            let text = std::fs::read_to_string(&args.profile)
+                .with_context(|| format!("reading {path}"))?;
+            let profile = envelope_profile::Profile::from_json(&text, &path)?;
+            let dir = args.out.clone().unwrap_or_else(|| {
+                args.profile
+                    .parent()
+                    .map(|p| p.to_path_buf())
+                    .unwrap_or_default()
+            });
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(
+                dir.join("report.md"),
+                envelope_harness::report::markdown(&profile),
+            )?;
+            std::fs::write(
+                dir.join("report.html"),
+                envelope_harness::report::html(&profile),
+            )?;
+            println!("wrote {}/report.md and report.html", dir.display());
+            Ok(())
+        }
         Command::Sweep(args) => {
             if let Some(n) = args.threads {
                 std::env::set_var("RAYON_NUM_THREADS", n.to_string());

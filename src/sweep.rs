@@ -97,7 +97,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         p.limits.max_kv_tokens_in_flight
     );
     println!(
-        "wrote {}/profile.json, requests.csv, probes.csv",
+        "wrote {}/profile.json, report.md, report.html, requests.csv, probes.csv",
         args.out.display()
     );
     Ok(())

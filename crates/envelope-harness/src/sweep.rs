@@ -383,13 +383,19 @@ pub fn run_sweep(
 }
 
 impl SweepOutput {
-    /// Writes `profile.json`, `requests.csv` and `probes.csv` into `dir`.
+    /// Writes `profile.json`, `report.md`, `report.html`, `requests.csv` and
+    /// `probes.csv` into `dir`.
     pub fn write(&self, dir: &std::path::Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         std::fs::write(
             dir.join("profile.json"),
             serde_json::to_string_pretty(&self.profile)?,
         )?;
+        std::fs::write(
+            dir.join("report.md"),
+            crate::report::markdown(&self.profile),
+        )?;
+        std::fs::write(dir.join("report.html"), crate::report::html(&self.profile))?;
         let mut w = csv::Writer::from_path(dir.join("requests.csv"))?;
         for r in &self.requests {
             w.serialize(r)?;

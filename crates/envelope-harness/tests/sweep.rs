@@ -97,6 +97,14 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     out.write(&dir).unwrap();
     let text = std::fs::read_to_string(dir.join("profile.json")).unwrap();
     Profile::from_json(&text, "profile.json").unwrap();
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("| f32-f32-continuous | 32x16 | 10 | 8 | kv_cache |"),
+        "{md}"
+    );
+    assert!(md.contains("max concurrent sequences"));
+    let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
+    assert!(html.contains("<td>f32-f32-static</td>") && html.ends_with("</html>\n"));
     let probes = std::fs::read_to_string(dir.join("probes.csv")).unwrap();
     assert_eq!(probes.lines().count(), 1 + p.probes_total as usize);
     let requests = std::fs::read_to_string(dir.join("requests.csv")).unwrap();

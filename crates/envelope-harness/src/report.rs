@@ -1,0 +1,153 @@
+//! The reports a person reads first: `report.md` and `report.html`, made
+//! from the profile alone (so they can be regenerated from a committed one).
+
+use envelope_profile::{ConfigResult, Profile};
+
+fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
+    c.buckets
+        .iter()
+        .map(|b| {
+            let a = b.at_feasible.as_ref();
+            [
+                c.name.clone(),
+                format!("{}x{}", b.input_tokens, b.output_tokens),
+                b.feasible_concurrency.to_string(),
+                b.safe_concurrency.to_string(),
+                b.binding_constraint.as_str().to_string(),
+                b.knee_concurrency.map_or("-".into(), |k| k.to_string()),
+                a.map_or("-".into(), |a| format!("{:.1}", a.output_tok_per_s)),
+                a.map_or("-".into(), |a| format!("{:.0}", a.ttft_ms.p95)),
+                a.map_or("-".into(), |a| format!("{:.1}", a.itl_ms.p95)),
+            ]
+        })
+        .collect()
+}
+
+const HEAD: [&str; 9] = [
+    "config",
+    "bucket",
+    "feasible",
+    "safe",
+    "binding",
+    "knee",
+    "out tok/s",
+    "TTFT p95 ms",
+    "ITL p95 ms",
+];
+
+fn limits_line(p: &Profile) -> String {
+    let l = &p.limits;
+    format!(
+        "max context {} tokens, max output {} tokens, max concurrent sequences {}, max KV tokens in flight {}",
+        l.max_context_tokens, l.max_output_tokens, l.max_concurrent_seqs, l.max_kv_tokens_in_flight
+    )
+}
+
+fn slo_line(p: &Profile) -> String {
+    let s = &p.slo;
+    let o = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x} ms"));
+    format!(
+        "TTFT p95 {}, ITL p95 {}, e2e p99 {}, error rate <= {}, KV use <= {}, zero preemptions: {}, headroom {}",
+        o(s.ttft_p95_ms),
+        o(s.itl_p95_ms),
+        o(s.e2e_p99_ms),
+        s.max_error_rate,
+        s.max_kv_usage,
+        s.zero_preemptions,
+        s.headroom
+    )
+}
+
+pub fn markdown(p: &Profile) -> String {
+    let mut s = String::from("# envelope sweep report\n\n");
+    s += &format!(
+        "Schema `{}`; {} probes. SLOs: {}.\n\n",
+        p.schema,
+        p.probes_total,
+        slo_line(p)
+    );
+    s += &format!(
+        "**Selected `{}`**, limits for the governor: {}.\n\n",
+        p.selected,
+        limits_line(p)
+    );
+    s += "## Safe operating points\n\n";
+    s += &format!("| {} |\n|{}\n", HEAD.join(" | "), "---|".repeat(HEAD.len()));
+    for c in &p.configs {
+        if let Some(e) = &c.error {
+            s += &format!(
+                "| {} | error: {} |{}\n",
+                c.name,
+                e,
+                " |".repeat(HEAD.len() - 2)
+            );
+        }
+        for r in rows(c) {
+            s += &format!("| {} |\n", r.join(" | "));
+        }
+    }
+    s += "\n## Memory\n\n| config | weights MiB | analytic MiB | KV bytes/token | KV capacity tokens | peak RSS MiB |\n|---|---|---|---|---|---|\n";
+    let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
+    for c in &p.configs {
+        let m = &c.memory;
+        s += &format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            c.name,
+            mib(m.weight_bytes),
+            mib(m.weight_bytes_analytic),
+            m.kv_bytes_per_token,
+            m.kv_capacity_tokens,
+            m.peak_bytes.map_or("-".into(), mib)
+        );
+    }
+    s += "\nRaw data: `probes.csv` (one row per probe), `requests.csv` (one row per request), `profile.json`.\n";
+    s
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+pub fn html(p: &Profile) -> String {
+    let mut s = String::from(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>envelope sweep report</title>\
+<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#eee}</style>\
+</head><body><h1>envelope sweep report</h1>",
+    );
+    s += &format!(
+        "<p>Schema <code>{}</code>; {} probes. SLOs: {}.</p>",
+        esc(&p.schema),
+        p.probes_total,
+        esc(&slo_line(p))
+    );
+    s += &format!(
+        "<p><b>Selected <code>{}</code></b>; limits: {}.</p>",
+        esc(&p.selected),
+        esc(&limits_line(p))
+    );
+    s += "<h2>Safe operating points</h2><table><tr>";
+    for h in HEAD {
+        s += &format!("<th>{h}</th>");
+    }
+    s += "</tr>";
+    for c in &p.configs {
+        if let Some(e) = &c.error {
+            s += &format!(
+                "<tr><td>{}</td><td colspan=\"8\">error: {}</td></tr>",
+                esc(&c.name),
+                esc(e)
+            );
+        }
+        for r in rows(c) {
+            s += "<tr>";
+            for v in r {
+                s += &format!("<td>{}</td>", esc(&v));
+            }
+            s += "</tr>";
+        }
+    }
+    s += "</table><p>Raw data: probes.csv, requests.csv, profile.json.</p></body></html>\n";
+    s
+}
