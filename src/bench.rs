@@ -33,17 +33,6 @@ pub struct AggregatePoint {
     pub mean_step_ms: f64,
 }
 
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn params(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
@@ -152,19 +141,13 @@ fn run_in_pool(args: &BenchArgs) -> Result<BenchReport> {
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or_else(num_cpus),
-        cpu: cpu_model(),
+            .unwrap_or_else(envelope_telemetry::host::logical_cores),
+        cpu: envelope_telemetry::host::cpu_model().unwrap_or_else(|| "unknown".into()),
         prompt_tokens: args.prompt_tokens,
         prefill_tok_per_s: prefill,
         single_decode_tok_per_s: single_decode,
         aggregate,
     })
-}
-
-fn num_cpus() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
 }
 
 pub fn print_table(r: &BenchReport) {

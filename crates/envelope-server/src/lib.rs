@@ -135,6 +135,20 @@ struct Prepared {
     include_usage: bool,
 }
 
+impl Prepared {
+    fn new(prompt_tokens: Vec<u32>, params: SamplingParams, common: &openai::Common) -> Prepared {
+        Prepared {
+            prompt_tokens,
+            params,
+            stream: common.stream,
+            include_usage: common
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+        }
+    }
+}
+
 async fn completions(
     State(state): State<Arc<AppState>>,
     body: Bytes,
@@ -169,16 +183,7 @@ async fn completions(
         }
     };
     let params = openai::sampling(&req.common, req.common.max_tokens, 16)?;
-    let p = Prepared {
-        prompt_tokens,
-        params,
-        stream: req.common.stream,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
+    let p = Prepared::new(prompt_tokens, params, &req.common);
     run(state, p, Kind::Completion).await
 }
 
@@ -209,16 +214,7 @@ async fn chat_completions(
         req.max_completion_tokens.or(req.common.max_tokens),
         default_max,
     )?;
-    let p = Prepared {
-        prompt_tokens,
-        params,
-        stream: req.common.stream,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-    };
+    let p = Prepared::new(prompt_tokens, params, &req.common);
     run(state, p, Kind::Chat).await
 }
 
