@@ -98,6 +98,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo) -> ProbeSummary {
         total_tok_per_s: (in_tokens + out_tokens) as f64 / d,
         request_per_s: ok.len() as f64 / d,
         goodput_req_per_s: good as f64 / d,
+        offered_rate_per_s: None,
         kv_usage_max: Some(run.kv_usage_max),
         preemptions: Some(run.preemptions),
         peak_memory_bytes: run.peak_rss_bytes,
@@ -300,6 +301,8 @@ fn run_point(
                 .iter()
                 .find(|p| p.concurrency == feasible && p.breaches.is_empty())
                 .cloned(),
+            feasible_rate_per_s: None,
+            safe_rate_per_s: None,
             probes,
         });
     }

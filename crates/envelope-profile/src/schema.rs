@@ -102,6 +102,10 @@ pub struct ProbeSummary {
     pub request_per_s: f64,
     /// Requests that met every latency SLO, per second.
     pub goodput_req_per_s: f64,
+    /// Open-loop (Poisson) probes: the arrival rate asked for; `concurrency`
+    /// is then the most requests seen in flight.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offered_rate_per_s: Option<f64>,
     pub kv_usage_max: Option<f64>,
     pub preemptions: Option<u64>,
     pub peak_memory_bytes: Option<u64>,
@@ -132,6 +136,12 @@ pub struct BucketResult {
     pub knee_concurrency: Option<u32>,
     /// The probe at the feasible maximum, if any.
     pub at_feasible: Option<ProbeSummary>,
+    /// Open-loop (Poisson) sweeps: the highest arrival rate inside the SLOs,
+    /// and that rate reduced by the headroom.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feasible_rate_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safe_rate_per_s: Option<f64>,
     pub probes: Vec<ProbeSummary>,
 }
 
