@@ -1,0 +1,496 @@
+//! The thin async layer over the bookkeeping: one `Mutex` around the ledger,
+//! queue, ladder and drain estimator (held for microseconds, never across an
+//! await), a `oneshot` per queued request to wake it with its permit, and
+//! [`Permit`], whose `Drop` gives the reservation back, so a request that
+//! finishes, fails, or whose client disconnects (the response body is
+//! dropped) always releases, and releasing admits whoever now fits.
+
+use crate::error::{GovernError, OverloadReason};
+use crate::estimate::{retry_after_from_ms, DrainEstimator};
+use crate::ladder::{Ladder, Level, Reading};
+use crate::ledger::{Demand, Ledger};
+use crate::metrics::Metrics;
+use crate::policy::effective_limits;
+use crate::queue::{AdmissionQueue, Class};
+use crate::settings::Settings;
+use envelope_profile::Limits;
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, Notify};
+
+type Waker = oneshot::Sender<Result<Permit, GovernError>>;
+
+struct Inner {
+    ledger: Ledger,
+    queue: AdmissionQueue<Waker>,
+    ladder: Ladder,
+    drain: DrainEstimator,
+    requests_in_flight: u64,
+}
+
+pub struct Governor {
+    inner: Mutex<Inner>,
+    settings: RwLock<Arc<Settings>>,
+    pub metrics: Metrics,
+    draining: AtomicBool,
+    idle: Notify,
+    epoch: Instant,
+    last_upstream_kv_milli: AtomicU64,
+}
+
+/// What a request asks the governor for.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub tenant: String,
+    pub class: Class,
+    /// When the request must be finished (arrival + deadline).
+    pub deadline: Instant,
+    pub demand: Demand,
+}
+
+/// A reservation in flight. Dropping it releases it.
+pub struct Permit {
+    gov: Arc<Governor>,
+    tenant: String,
+    demand: Demand,
+    pub admitted_at: Instant,
+    pub queued_for: Duration,
+    used_tokens: Option<u64>,
+}
+
+impl Permit {
+    pub fn demand(&self) -> Demand {
+        self.demand
+    }
+    /// Records the tokens the request actually used (settlement).
+    pub fn settle(&mut self, used_tokens: u64) {
+        self.used_tokens = Some(used_tokens);
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let service_ms = self.admitted_at.elapsed().as_millis() as u64;
+        self.gov
+            .release(&self.tenant, self.demand, service_ms, self.used_tokens);
+    }
+}
+
+/// Removes a queued entry when the waiting future is dropped (client gone).
+struct Ticket<'a> {
+    gov: &'a Governor,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut g = self.gov.lock();
+            g.queue.remove(self.id);
+            self.gov.publish(&g);
+        }
+    }
+}
+
+impl Governor {
+    pub fn new(settings: Settings) -> Arc<Governor> {
+        let l = &settings.limits;
+        let cap = Demand {
+            seqs: l.max_concurrent_seqs,
+            kv_tokens: l.max_kv_tokens_in_flight,
+        };
+        let shares = settings.tenants.shares().unwrap_or_default();
+        let inner = Inner {
+            ledger: Ledger::new(cap, &shares, settings.tenants.default_burst),
+            queue: AdmissionQueue::new(
+                settings.max_queue_len,
+                settings.max_queue_tokens,
+                settings.tenants.weights(),
+            ),
+            ladder: Ladder::new(settings.ladder.clone(), 0),
+            drain: DrainEstimator::new(settings.drain_window_ms),
+            requests_in_flight: 0,
+        };
+        let gov = Arc::new(Governor {
+            inner: Mutex::new(inner),
+            settings: RwLock::new(Arc::new(settings)),
+            metrics: Metrics::new(),
+            draining: AtomicBool::new(false),
+            idle: Notify::new(),
+            epoch: Instant::now(),
+            last_upstream_kv_milli: AtomicU64::new(0),
+        });
+        gov.set_profile_label();
+        {
+            let g = gov.lock();
+            gov.publish(&g);
+        }
+        gov
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain counters behind; keep serving.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_profile_label(&self) {
+        self.metrics.profile_info.clear();
+        self.metrics
+            .profile_info
+            .get_or_create(&crate::metrics::label(
+                "profile_id",
+                &self.settings().profile_id,
+            ))
+            .set(1);
+    }
+
+    /// Caps in force now (profile and overrides, tightened by the ladder).
+    pub fn limits(&self) -> Limits {
+        let s = self.settings();
+        let level = self.lock().ladder.level();
+        effective_limits(&s.limits, level, s.ladder.small_context_factor)
+    }
+
+    pub fn level(&self) -> Level {
+        self.lock().ladder.level()
+    }
+
+    fn apply_caps(&self, g: &mut Inner) {
+        let s = self.settings();
+        let l = effective_limits(&s.limits, g.ladder.level(), s.ladder.small_context_factor);
+        g.ledger.set_capacity(Demand {
+            seqs: l.max_concurrent_seqs,
+            kv_tokens: l.max_kv_tokens_in_flight,
+        });
+    }
+
+    /// Sets the gauges from the bookkeeping.
+    fn publish(&self, g: &Inner) {
+        let m = &self.metrics;
+        let used = g.ledger.used();
+        let cap = g.ledger.capacity();
+        m.in_flight_sequences.set(used.seqs as i64);
+        m.in_flight_requests.set(g.requests_in_flight as i64);
+        m.reserved_kv_tokens.set(used.kv_tokens as i64);
+        m.kv_headroom_tokens.set(g.ledger.kv_headroom() as i64);
+        m.kv_capacity_tokens.set(cap.kv_tokens as i64);
+        m.max_concurrent_sequences.set(cap.seqs as i64);
+        m.queued_requests.set(g.queue.len() as i64);
+        m.queued_tokens.set(g.queue.queued_tokens() as i64);
+        m.ladder_state.set(g.ladder.level() as i64);
+    }
+
+    fn permit(self: &Arc<Self>, tenant: &str, demand: Demand, queued_for: Duration) -> Permit {
+        Permit {
+            gov: self.clone(),
+            tenant: tenant.to_string(),
+            demand,
+            admitted_at: Instant::now(),
+            queued_for,
+            used_tokens: None,
+        }
+    }
+
+    /// Grants whatever fits now; the wake-ups are returned to be sent after
+    /// the lock is released (a failed send drops a permit, which locks).
+    fn pump(self: &Arc<Self>, g: &mut Inner) -> Vec<(Waker, Result<Permit, GovernError>)> {
+        let Inner { ledger, queue, .. } = &mut *g;
+        let p = queue.pump(|e| ledger.reserve(&e.tenant, e.demand));
+        let now = Instant::now();
+        let mut out = Vec::with_capacity(p.granted.len() + p.never_fit.len());
+        for e in p.granted {
+            g.requests_in_flight += 1;
+            let waited = now.saturating_duration_since(e.enqueued);
+            out.push((e.payload, Ok(self.permit(&e.tenant, e.demand, waited))));
+        }
+        for e in p.never_fit {
+            out.push((
+                e.payload,
+                Err(GovernError::NeverFits {
+                    param: "max_tokens",
+                    message: "the caps were lowered while this request waited; it no longer fits"
+                        .into(),
+                }),
+            ));
+        }
+        out
+    }
+
+    fn wake(wakes: Vec<(Waker, Result<Permit, GovernError>)>) {
+        for (tx, r) in wakes {
+            // A waiter that has gone away: its permit drops here and releases.
+            let _ = tx.send(r);
+        }
+    }
+
+    fn release(self: &Arc<Self>, tenant: &str, demand: Demand, service_ms: u64, used: Option<u64>) {
+        self.metrics
+            .reserved_tokens_settled
+            .inc_by(demand.kv_tokens);
+        if let Some(u) = used {
+            self.metrics.used_tokens_settled.inc_by(u);
+        }
+        let now_ms = self.now_ms();
+        let wakes = {
+            let mut g = self.lock();
+            g.ledger.release(tenant, demand);
+            g.requests_in_flight = g.requests_in_flight.saturating_sub(1);
+            g.drain.record(now_ms, demand.kv_tokens, service_ms);
+            let w = self.pump(&mut g);
+            self.publish(&g);
+            if g.requests_in_flight == 0 {
+                self.idle.notify_waiters();
+            }
+            w
+        };
+        Self::wake(wakes);
+    }
+
+    fn overloaded(reason: OverloadReason, retry_after_s: u64, message: String) -> GovernError {
+        GovernError::Overloaded {
+            reason,
+            retry_after_s,
+            message,
+        }
+    }
+
+    /// Admits now, queues until it fits, or refuses.
+    ///
+    /// # Errors
+    /// 503 while draining; 400 if it can never fit; 429 with a Retry-After
+    /// when the guard rejects new work, the queue is full, the deadline
+    /// cannot be met, or the wait ran out.
+    pub async fn admit(self: &Arc<Self>, ask: Ask) -> Result<Permit, GovernError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(GovernError::Draining);
+        }
+        let s = self.settings();
+        let now = Instant::now();
+        let now_ms = self.now_ms();
+        let (id, rx, wait_until) = {
+            let mut g = self.lock();
+            if g.ladder.level() == Level::RejectNew {
+                let backlog = g.queue.queued_tokens() + ask.demand.kv_tokens;
+                let cap_kv = g.ledger.capacity().kv_tokens;
+                let ra = g.drain.retry_after_s(now_ms, backlog, cap_kv).max(2);
+                return Err(Self::overloaded(
+                    OverloadReason::GuardRejectNew,
+                    ra,
+                    format!(
+                        "the upstream is under pressure ({}); retry later",
+                        g.ladder.cause
+                    ),
+                ));
+            }
+            if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
+                let cap = g.ledger.capacity();
+                return Err(GovernError::NeverFits {
+                    param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
+                    message: format!(
+                        "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens, so it can never run: lower max_tokens, n or the prompt",
+                        ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
+                    ),
+                });
+            }
+            if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
+                g.requests_in_flight += 1;
+                self.publish(&g);
+                drop(g);
+                return Ok(self.permit(&ask.tenant, ask.demand, Duration::ZERO));
+            }
+            // Wait estimate: the tokens that must drain before this one fits.
+            let ahead = g.queue.tokens_ahead_of(ask.class) + ask.demand.kv_tokens;
+            let excess = ahead.saturating_sub(g.ledger.kv_headroom());
+            let cap_kv = g.ledger.capacity().kv_tokens;
+            let wait_ms = g.drain.wait_ms(now_ms, excess, cap_kv);
+            let service_ms = g.drain.service_ms().unwrap_or(0.0);
+            let left_ms = ask.deadline.saturating_duration_since(now).as_millis() as f64;
+            if let Some(w) = wait_ms {
+                if w + service_ms > left_ms {
+                    return Err(Self::overloaded(
+                        OverloadReason::DeadlineUnmeetable,
+                        retry_after_from_ms(w),
+                        format!(
+                            "estimated wait {:.0} ms + service {:.0} ms exceeds the deadline of {:.0} ms",
+                            w, service_ms, left_ms
+                        ),
+                    ));
+                }
+            }
+            let wait_until = ask
+                .deadline
+                .min(now + Duration::from_millis(s.max_queue_age_ms));
+            let (tx, rx) = oneshot::channel();
+            match g
+                .queue
+                .push(&ask.tenant, ask.class, wait_until, now, ask.demand, tx)
+            {
+                Ok(id) => {
+                    self.publish(&g);
+                    (id, rx, wait_until)
+                }
+                Err((why, _)) => {
+                    let ra = g.drain.retry_after_s(now_ms, excess, cap_kv);
+                    return Err(Self::overloaded(
+                        OverloadReason::QueueFull,
+                        ra,
+                        format!("the admission queue is full ({why:?}); retry after {ra} s"),
+                    ));
+                }
+            }
+        };
+        let mut ticket = Ticket {
+            gov: self,
+            id,
+            armed: true,
+        };
+        let mut rx = rx;
+        let got = tokio::time::timeout_at(wait_until.into(), &mut rx).await;
+        let result = match got {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(GovernError::Draining),
+            Err(_) => {
+                // Timed out; it may have been granted at the same instant.
+                let removed = {
+                    let mut g = self.lock();
+                    let r = g.queue.remove(id).is_some();
+                    self.publish(&g);
+                    r
+                };
+                if removed {
+                    let mut g = self.lock();
+                    let excess = g.queue.queued_tokens() + ask.demand.kv_tokens;
+                    let cap_kv = g.ledger.capacity().kv_tokens;
+                    let ra = g.drain.retry_after_s(self.now_ms(), excess, cap_kv);
+                    Err(Self::overloaded(
+                        OverloadReason::QueueTimeout,
+                        ra,
+                        format!(
+                            "waited {} ms in the admission queue without fitting",
+                            now.elapsed().as_millis()
+                        ),
+                    ))
+                } else {
+                    rx.try_recv().unwrap_or(Err(GovernError::Draining))
+                }
+            }
+        };
+        ticket.armed = false;
+        if let Ok(p) = &result {
+            self.metrics.queue_age.observe(p.queued_for.as_secs_f64());
+        }
+        result
+    }
+
+    /// Feeds a live-guard reading; applies the ladder's caps.
+    pub fn observe(self: &Arc<Self>, r: Reading) -> Level {
+        if let Some(kv) = r.kv_usage {
+            self.metrics.upstream_kv_usage.set(kv);
+            self.last_upstream_kv_milli
+                .store((kv * 1000.0) as u64, Ordering::Relaxed);
+        }
+        let r = Reading {
+            now_ms: self.now_ms(),
+            ..r
+        };
+        let (before, after, wakes) = {
+            let mut g = self.lock();
+            let before = g.ladder.level();
+            let after = g.ladder.observe(r);
+            self.apply_caps(&mut g);
+            let w = self.pump(&mut g);
+            self.publish(&g);
+            (before, after, w)
+        };
+        if before != after {
+            tracing::warn!(
+                from = before.label(),
+                to = after.label(),
+                "live guard moved"
+            );
+        }
+        Self::wake(wakes);
+        after
+    }
+
+    /// Swaps in new settings (hot reload); in-flight reservations stay.
+    pub fn reload(self: &Arc<Self>, settings: Settings) -> Result<(), String> {
+        settings.validate()?;
+        let wakes = {
+            let mut g = self.lock();
+            *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
+            let s = self.settings();
+            g.queue.set_bounds(s.max_queue_len, s.max_queue_tokens);
+            self.apply_caps(&mut g);
+            let w = self.pump(&mut g);
+            self.publish(&g);
+            w
+        };
+        self.set_profile_label();
+        Self::wake(wakes);
+        Ok(())
+    }
+
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+        self.metrics.draining.set(1);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    pub fn requests_in_flight(&self) -> u64 {
+        self.lock().requests_in_flight
+    }
+
+    /// Waits until nothing is in flight or `timeout` passes; true when idle.
+    pub async fn wait_idle(&self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        loop {
+            let notified = self.idle.notified();
+            if self.requests_in_flight() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(end.into(), notified).await.is_err() {
+                return self.requests_in_flight() == 0;
+            }
+        }
+    }
+
+    /// The admin `state` document.
+    pub fn state_json(&self) -> serde_json::Value {
+        let s = self.settings();
+        let mut g = self.lock();
+        let now_ms = self.now_ms();
+        let used = g.ledger.used();
+        let cap = g.ledger.capacity();
+        json!({
+            "profile_id": s.profile_id,
+            "draining": self.is_draining(),
+            "ladder": {"level": g.ladder.level().label(), "cause": g.ladder.cause},
+            "limits": effective_limits(&s.limits, g.ladder.level(), s.ladder.small_context_factor),
+            "profile_limits": s.limits,
+            "in_flight": {"requests": g.requests_in_flight, "sequences": used.seqs, "kv_tokens": used.kv_tokens},
+            "capacity": {"sequences": cap.seqs, "kv_tokens": cap.kv_tokens},
+            "queue": {"requests": g.queue.len(), "kv_tokens": g.queue.queued_tokens(),
+                      "oldest_age_ms": g.queue.oldest_age_ms(Instant::now())},
+            "drain_rate_tokens_per_s": g.drain.rate_tokens_per_s(now_ms),
+            "service_ms": g.drain.service_ms(),
+        })
+    }
+}

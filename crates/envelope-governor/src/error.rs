@@ -1,0 +1,260 @@
+//! The one error enum of the governor and its one mapping to an HTTP status,
+//! an OpenAI-shaped body (`{"error": {"message", "type", "param", "code"}}`)
+//! and a reason label. The same label tags the rejection counter in
+//! `/metrics` and the log line (TGI's router does the same with its
+//! `ValidationError` -> status + `error_type`).
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GovernError {
+    /// The body is not JSON, not UTF-8, or a field has the wrong type or value.
+    #[error("{message}")]
+    Invalid {
+        param: Option<String>,
+        message: String,
+    },
+    /// Prompt + max_tokens exceeds the context cap.
+    #[error("this request needs {needed_tokens} tokens (prompt {prompt_tokens} + max_tokens {max_tokens}), over the context limit of {limit_tokens} tokens")]
+    ContextLength {
+        param: &'static str,
+        prompt_tokens: u64,
+        max_tokens: u64,
+        needed_tokens: u64,
+        limit_tokens: u64,
+    },
+    /// max_tokens above the output cap with the `reject` policy.
+    #[error("max_tokens {asked} exceeds the output limit of {limit} tokens")]
+    OutputTooLong { asked: u64, limit: u64 },
+    /// Could never be admitted, even on an idle server (so clients must not retry).
+    #[error("{message}")]
+    NeverFits {
+        param: &'static str,
+        message: String,
+    },
+    #[error("request body is over the limit of {limit_bytes} bytes")]
+    BodyTooLarge { limit_bytes: usize },
+    #[error("the request body did not arrive within {timeout_ms} ms")]
+    BodyTimeout { timeout_ms: u64 },
+    /// Transient overload: the queue is full, the deadline cannot be met, or
+    /// the request waited too long.
+    #[error("{message}")]
+    Overloaded {
+        reason: OverloadReason,
+        retry_after_s: u64,
+        message: String,
+    },
+    #[error("the governor is draining and admits no new requests")]
+    Draining,
+    #[error("upstream unreachable: {0}")]
+    UpstreamUnreachable(String),
+    #[error("upstream did not answer in time: {0}")]
+    UpstreamTimeout(String),
+    #[error("not allowed: {0}")]
+    Forbidden(String),
+    #[error("no route {0}")]
+    NotFound(String),
+}
+
+/// Why a transient refusal happened; each is its own metrics label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OverloadReason {
+    QueueFull,
+    DeadlineUnmeetable,
+    QueueTimeout,
+    GuardRejectNew,
+}
+
+impl OverloadReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            OverloadReason::QueueFull => "queue_full",
+            OverloadReason::DeadlineUnmeetable => "deadline_unmeetable",
+            OverloadReason::QueueTimeout => "queue_timeout",
+            OverloadReason::GuardRejectNew => "guard_reject_new",
+        }
+    }
+}
+
+impl GovernError {
+    pub fn invalid(param: Option<&str>, message: impl Into<String>) -> GovernError {
+        GovernError::Invalid {
+            param: param.map(str::to_string),
+            message: message.into(),
+        }
+    }
+
+    /// The reason label used in responses' logs and in
+    /// `envelope_governor_rejections_total{reason}`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            GovernError::Invalid { .. } => "invalid_request",
+            GovernError::ContextLength { .. } => "context_length_exceeded",
+            GovernError::OutputTooLong { .. } => "max_tokens_over_limit",
+            GovernError::NeverFits { .. } => "never_fits",
+            GovernError::BodyTooLarge { .. } => "body_too_large",
+            GovernError::BodyTimeout { .. } => "body_timeout",
+            GovernError::Overloaded { reason, .. } => reason.label(),
+            GovernError::Draining => "draining",
+            GovernError::UpstreamUnreachable(_) => "upstream_unreachable",
+            GovernError::UpstreamTimeout(_) => "upstream_timeout",
+            GovernError::Forbidden(_) => "forbidden",
+            GovernError::NotFound(_) => "not_found",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GovernError::Invalid { .. }
+            | GovernError::ContextLength { .. }
+            | GovernError::OutputTooLong { .. }
+            | GovernError::NeverFits { .. } => StatusCode::BAD_REQUEST,
+            GovernError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GovernError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            GovernError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GovernError::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            GovernError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            GovernError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            GovernError::Forbidden(_) => StatusCode::FORBIDDEN,
+            GovernError::NotFound(_) => StatusCode::NOT_FOUND,
+        }
+    }
+
+    /// `Retry-After` in whole seconds, for refusals a client should retry.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            GovernError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
+            GovernError::Draining => Some(5),
+            _ => None,
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, param, code): (&str, Option<String>, Option<&str>) = match self {
+            GovernError::Invalid { param, .. } => ("invalid_request_error", param.clone(), None),
+            GovernError::ContextLength { param, .. } => (
+                "invalid_request_error",
+                Some(param.to_string()),
+                Some("context_length_exceeded"),
+            ),
+            GovernError::OutputTooLong { .. } => (
+                "invalid_request_error",
+                Some("max_tokens".into()),
+                Some("max_tokens_over_limit"),
+            ),
+            GovernError::NeverFits { param, .. } => (
+                "invalid_request_error",
+                Some(param.to_string()),
+                Some("context_length_exceeded"),
+            ),
+            GovernError::BodyTooLarge { .. } => {
+                ("invalid_request_error", None, Some("request_too_large"))
+            }
+            GovernError::BodyTimeout { .. } => {
+                ("invalid_request_error", None, Some("request_timeout"))
+            }
+            GovernError::Overloaded { .. } => {
+                ("rate_limit_error", None, Some("rate_limit_exceeded"))
+            }
+            GovernError::Draining => ("server_error", None, Some("draining")),
+            GovernError::UpstreamUnreachable(_) => {
+                ("server_error", None, Some("upstream_unreachable"))
+            }
+            GovernError::UpstreamTimeout(_) => ("server_error", None, Some("upstream_timeout")),
+            GovernError::Forbidden(_) => ("invalid_request_error", None, Some("forbidden")),
+            GovernError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
+        };
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for GovernError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        let h = r.headers_mut();
+        if let Some(s) = self.retry_after_s() {
+            h.insert("retry-after", HeaderValue::from(s));
+        }
+        h.insert("x-envelope-reason", HeaderValue::from_static(self.reason()));
+        // A request that can never fit must not be retried by clients that
+        // honour x-should-retry (the official OpenAI clients do).
+        if self.status().is_client_error() && self.status() != StatusCode::TOO_MANY_REQUESTS {
+            h.insert("x-should-retry", HeaderValue::from_static("false"));
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<GovernError> {
+        vec![
+            GovernError::invalid(Some("max_tokens"), "bad"),
+            GovernError::ContextLength {
+                param: "messages",
+                prompt_tokens: 10,
+                max_tokens: 5,
+                needed_tokens: 15,
+                limit_tokens: 12,
+            },
+            GovernError::OutputTooLong { asked: 9, limit: 4 },
+            GovernError::NeverFits {
+                param: "n",
+                message: "x".into(),
+            },
+            GovernError::BodyTooLarge { limit_bytes: 8 },
+            GovernError::BodyTimeout { timeout_ms: 1 },
+            GovernError::Overloaded {
+                reason: OverloadReason::QueueFull,
+                retry_after_s: 3,
+                message: "busy".into(),
+            },
+            GovernError::Draining,
+            GovernError::UpstreamUnreachable("x".into()),
+            GovernError::UpstreamTimeout("x".into()),
+            GovernError::Forbidden("x".into()),
+            GovernError::NotFound("x".into()),
+        ]
+    }
+
+    #[test]
+    fn every_error_maps_to_status_body_and_label() {
+        let statuses: Vec<u16> = all().iter().map(|e| e.status().as_u16()).collect();
+        assert_eq!(
+            statuses,
+            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404]
+        );
+        for e in all() {
+            let b = e.body();
+            assert!(!b["error"]["message"].as_str().unwrap().is_empty(), "{e:?}");
+            assert!(b["error"]["type"].is_string());
+            assert!(!e.reason().is_empty());
+        }
+    }
+
+    #[test]
+    fn context_length_names_param_and_code() {
+        let e = &all()[1];
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+        assert_eq!(e.body()["error"]["param"], "messages");
+        assert!(e.to_string().contains("12"));
+    }
+
+    #[test]
+    fn only_overload_and_draining_carry_retry_after() {
+        for e in all() {
+            let want = matches!(e, GovernError::Overloaded { .. } | GovernError::Draining);
+            assert_eq!(e.retry_after_s().is_some(), want, "{e:?}");
+        }
+        let r = all()[6].clone().into_response();
+        assert_eq!(r.headers()["retry-after"], "3");
+        assert_eq!(r.headers()["x-envelope-reason"], "queue_full");
+        let r = all()[0].clone().into_response();
+        assert_eq!(r.headers()["x-should-retry"], "false");
+    }
+}

@@ -1,0 +1,446 @@
+//! The reservation ledger: sequences and KV tokens in flight upstream, in
+//! total and per tenant, against the profile's caps. Plain data, no I/O.
+//!
+//! The idea is TGI's router: each request reserves its whole KV need
+//! (prompt + max_tokens, times the number of sequences) up front, so the
+//! engine never has to preempt; vLLM admits lazily per step and preempts
+//! when blocks run out, which is exactly what the governor keeps it from
+//! reaching. Tenants get a guaranteed share (capacity others may not borrow
+//! while the tenant could use it) and a burst share (their ceiling).
+
+use std::collections::HashMap;
+
+/// The two resources every admission reserves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Demand {
+    pub seqs: u64,
+    pub kv_tokens: u64,
+}
+
+impl Demand {
+    fn get(&self, r: usize) -> u64 {
+        if r == 0 {
+            self.seqs
+        } else {
+            self.kv_tokens
+        }
+    }
+    fn get_mut(&mut self, r: usize) -> &mut u64 {
+        if r == 0 {
+            &mut self.seqs
+        } else {
+            &mut self.kv_tokens
+        }
+    }
+}
+
+/// Fractions (0..=1) of the capacity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Share {
+    pub guaranteed: f64,
+    pub burst: f64,
+}
+
+impl Share {
+    pub const OPEN: Share = Share {
+        guaranteed: 0.0,
+        burst: 1.0,
+    };
+}
+
+/// Why a reservation does not fit now (or ever).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Bigger than the whole capacity or the tenant's burst ceiling.
+    NeverFits,
+    /// The node is full.
+    Global,
+    /// The tenant is at its burst ceiling.
+    TenantBurst,
+    /// Free capacity exists but is guaranteed to other tenants.
+    OthersGuarantee,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TenantUse {
+    share: Option<Share>,
+    used: Demand,
+}
+
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    cap: Demand,
+    used: Demand,
+    tenants: HashMap<String, TenantUse>,
+    default_share: Share,
+}
+
+/// Checks a share table: each in [0, 1], burst >= guaranteed, guarantees sum to at most 1.
+pub fn validate_shares(shares: &HashMap<String, Share>) -> Result<(), String> {
+    let mut sum = 0.0;
+    for (name, s) in shares {
+        if !(0.0..=1.0).contains(&s.guaranteed) || !(0.0..=1.0).contains(&s.burst) {
+            return Err(format!("tenant `{name}`: shares must be in [0, 1]"));
+        }
+        if s.burst < s.guaranteed {
+            return Err(format!(
+                "tenant `{name}`: burst share is below its guaranteed share"
+            ));
+        }
+        sum += s.guaranteed;
+    }
+    if sum > 1.0 + 1e-9 {
+        return Err(format!("guaranteed shares sum to {sum:.3}, over 1"));
+    }
+    Ok(())
+}
+
+impl Ledger {
+    /// `shares` must pass [`validate_shares`]; tenants not in it get
+    /// `default_share` with no guarantee.
+    pub fn new(cap: Demand, shares: &HashMap<String, Share>, default_burst: f64) -> Ledger {
+        let tenants = shares
+            .iter()
+            .map(|(k, s)| {
+                (
+                    k.clone(),
+                    TenantUse {
+                        share: Some(*s),
+                        used: Demand::default(),
+                    },
+                )
+            })
+            .collect();
+        Ledger {
+            cap,
+            used: Demand::default(),
+            tenants,
+            default_share: Share {
+                guaranteed: 0.0,
+                burst: default_burst.clamp(0.0, 1.0),
+            },
+        }
+    }
+
+    /// New caps (hot reload, ladder). Reservations in flight stay; when
+    /// they exceed the new caps nothing more is admitted until they drain.
+    pub fn set_capacity(&mut self, cap: Demand) {
+        self.cap = cap;
+    }
+
+    pub fn capacity(&self) -> Demand {
+        self.cap
+    }
+
+    pub fn used(&self) -> Demand {
+        self.used
+    }
+
+    pub fn tenant_used(&self, tenant: &str) -> Demand {
+        self.tenants.get(tenant).map(|t| t.used).unwrap_or_default()
+    }
+
+    fn share(&self, tenant: &str) -> Share {
+        self.tenants
+            .get(tenant)
+            .and_then(|t| t.share)
+            .unwrap_or(self.default_share)
+    }
+
+    fn limit(cap: u64, frac: f64) -> u64 {
+        ((cap as f64) * frac).floor() as u64
+    }
+
+    /// The tenant's burst ceiling; at least one sequence's worth so a
+    /// tenant with a tiny share can still run something.
+    fn burst_limit(&self, tenant: &str, r: usize) -> u64 {
+        let s = self.share(tenant);
+        if s.burst <= 0.0 {
+            return 0;
+        }
+        Self::limit(self.cap.get(r), s.burst).max(1)
+    }
+
+    /// Capacity guaranteed to tenants other than `tenant` that they are not using.
+    fn others_unused_guarantee(&self, tenant: &str, r: usize) -> u64 {
+        self.tenants
+            .iter()
+            .filter(|(k, _)| k.as_str() != tenant)
+            .filter_map(|(_, t)| {
+                t.share.map(|s| {
+                    Self::limit(self.cap.get(r), s.guaranteed).saturating_sub(t.used.get(r))
+                })
+            })
+            .sum()
+    }
+
+    /// Whether `d` could fit on an idle node.
+    pub fn fits_ever(&self, tenant: &str, d: Demand) -> bool {
+        (0..2).all(|r| d.get(r) <= self.cap.get(r) && d.get(r) <= self.burst_limit(tenant, r))
+    }
+
+    /// Whether `d` fits now, and why not.
+    pub fn check(&self, tenant: &str, d: Demand) -> Result<(), Refusal> {
+        if !self.fits_ever(tenant, d) {
+            return Err(Refusal::NeverFits);
+        }
+        let mine = self.tenant_used(tenant);
+        let share = self.share(tenant);
+        for r in 0..2 {
+            let after = self.used.get(r) + d.get(r);
+            if after > self.cap.get(r) {
+                return Err(Refusal::Global);
+            }
+            let mine_after = mine.get(r) + d.get(r);
+            if mine_after > self.burst_limit(tenant, r) {
+                return Err(Refusal::TenantBurst);
+            }
+            let guaranteed = Self::limit(self.cap.get(r), share.guaranteed);
+            if mine_after > guaranteed
+                && after + self.others_unused_guarantee(tenant, r) > self.cap.get(r)
+            {
+                return Err(Refusal::OthersGuarantee);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn reserve(&mut self, tenant: &str, d: Demand) -> Result<(), Refusal> {
+        self.check(tenant, d)?;
+        let t = self.tenants.entry(tenant.to_string()).or_default();
+        for r in 0..2 {
+            *t.used.get_mut(r) += d.get(r);
+            *self.used.get_mut(r) += d.get(r);
+        }
+        Ok(())
+    }
+
+    /// Returns a reservation. Saturates, so a double release cannot
+    /// underflow (it is a bug, but not one that should stop the proxy).
+    pub fn release(&mut self, tenant: &str, d: Demand) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            for r in 0..2 {
+                *t.used.get_mut(r) = t.used.get(r).saturating_sub(d.get(r));
+            }
+            if t.share.is_none() && t.used == Demand::default() {
+                self.tenants.remove(tenant);
+            }
+        }
+        for r in 0..2 {
+            *self.used.get_mut(r) = self.used.get(r).saturating_sub(d.get(r));
+        }
+    }
+
+    /// Free KV tokens (capacity minus reserved; zero when over a lowered cap).
+    pub fn kv_headroom(&self) -> u64 {
+        self.cap.kv_tokens.saturating_sub(self.used.kv_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(seqs: u64, kv_tokens: u64) -> Demand {
+        Demand { seqs, kv_tokens }
+    }
+
+    fn open(cap: Demand) -> Ledger {
+        Ledger::new(cap, &HashMap::new(), 1.0)
+    }
+
+    fn shared() -> Ledger {
+        let mut s = HashMap::new();
+        s.insert(
+            "a".to_string(),
+            Share {
+                guaranteed: 0.5,
+                burst: 1.0,
+            },
+        );
+        s.insert(
+            "b".to_string(),
+            Share {
+                guaranteed: 0.25,
+                burst: 0.5,
+            },
+        );
+        validate_shares(&s).unwrap();
+        Ledger::new(d(8, 1000), &s, 0.25)
+    }
+
+    #[test]
+    fn reserves_up_to_both_caps_and_releases() {
+        let mut l = open(d(2, 100));
+        l.reserve("x", d(1, 60)).unwrap();
+        assert_eq!(l.check("x", d(1, 41)), Err(Refusal::Global));
+        l.reserve("x", d(1, 40)).unwrap();
+        assert_eq!(l.check("x", d(1, 1)), Err(Refusal::Global));
+        assert_eq!(l.kv_headroom(), 0);
+        l.release("x", d(1, 60));
+        assert_eq!(l.used(), d(1, 40));
+        assert_eq!(l.check("y", d(1, 61)), Err(Refusal::Global));
+        l.reserve("y", d(1, 60)).unwrap();
+        l.release("x", d(1, 40));
+        l.release("y", d(1, 60));
+        assert_eq!(l.used(), d(0, 0));
+        // Released unknown tenants are forgotten; double release saturates.
+        l.release("y", d(1, 60));
+        assert_eq!(l.used(), d(0, 0));
+        assert!(l.tenants.is_empty());
+    }
+
+    #[test]
+    fn concurrency_cap_binds_independently_of_tokens() {
+        let mut l = open(d(3, 1_000_000));
+        for _ in 0..3 {
+            l.reserve("x", d(1, 1)).unwrap();
+        }
+        assert_eq!(l.reserve("x", d(1, 1)), Err(Refusal::Global));
+        // n > 1 counts n sequences.
+        let mut l = open(d(3, 1_000_000));
+        assert_eq!(l.check("x", d(4, 4)), Err(Refusal::NeverFits));
+        l.reserve("x", d(2, 2)).unwrap();
+        assert_eq!(l.check("x", d(2, 2)), Err(Refusal::Global));
+    }
+
+    #[test]
+    fn never_fits_is_distinguished_from_busy() {
+        let l = open(d(4, 100));
+        assert!(!l.fits_ever("x", d(1, 101)));
+        assert_eq!(l.check("x", d(1, 101)), Err(Refusal::NeverFits));
+        assert!(l.fits_ever("x", d(4, 100)));
+        // Over the burst ceiling of the default share is never-fits too.
+        let l = shared();
+        assert!(!l.fits_ever("stranger", d(1, 251)));
+        assert!(l.fits_ever("stranger", d(1, 250)));
+    }
+
+    #[test]
+    fn burst_ceiling_per_tenant() {
+        let mut l = shared();
+        l.reserve("b", d(1, 300)).unwrap();
+        assert_eq!(l.check("b", d(1, 201)), Err(Refusal::TenantBurst));
+        l.reserve("b", d(1, 200)).unwrap();
+        assert_eq!(l.tenant_used("b"), d(2, 500));
+    }
+
+    #[test]
+    fn guarantees_are_not_borrowed_while_unused() {
+        let mut l = shared();
+        // a: 500 guaranteed; b: 250 guaranteed; free for anyone: 250.
+        l.reserve("stranger", d(1, 250)).unwrap();
+        // The stranger is at its 0.25 ceiling anyway; b bursting past its
+        // 250 guarantee would eat a's unused guarantee.
+        l.reserve("b", d(1, 250)).unwrap();
+        assert_eq!(l.check("b", d(1, 1)), Err(Refusal::OthersGuarantee));
+        // a can still use all of its guarantee.
+        l.reserve("a", d(1, 500)).unwrap();
+        assert_eq!(l.used(), d(3, 1000));
+    }
+
+    #[test]
+    fn a_tenant_may_burst_into_unguaranteed_and_used_guarantees() {
+        let mut l = shared();
+        l.reserve("a", d(1, 700)).unwrap(); // 200 past its guarantee, from the free pool
+        assert_eq!(l.check("a", d(1, 51)), Err(Refusal::OthersGuarantee)); // b's 250 stays
+        l.reserve("a", d(1, 50)).unwrap();
+        l.reserve("b", d(1, 250)).unwrap();
+        assert_eq!(l.used(), d(3, 1000));
+    }
+
+    #[test]
+    fn within_guarantee_waits_only_for_the_node() {
+        let mut l = shared();
+        l.reserve("stranger", d(1, 250)).unwrap();
+        l.reserve("a", d(1, 500)).unwrap();
+        l.reserve("b", d(1, 250)).unwrap();
+        assert_eq!(l.check("b", d(1, 1)), Err(Refusal::Global));
+        l.release("stranger", d(1, 250));
+        // b has used its guarantee; going beyond needs a's unused (none) ->
+        // fits in the freed pool.
+        l.reserve("b", d(1, 250)).unwrap();
+    }
+
+    #[test]
+    fn lowered_capacity_blocks_until_drained() {
+        let mut l = open(d(4, 100));
+        l.reserve("x", d(2, 80)).unwrap();
+        l.set_capacity(d(1, 50));
+        assert_eq!(l.kv_headroom(), 0);
+        assert_eq!(l.check("x", d(1, 10)), Err(Refusal::Global));
+        l.release("x", d(2, 80));
+        l.reserve("x", d(1, 50)).unwrap();
+    }
+
+    #[test]
+    fn share_validation() {
+        let mut s = HashMap::new();
+        s.insert(
+            "a".to_string(),
+            Share {
+                guaranteed: 0.7,
+                burst: 0.6,
+            },
+        );
+        assert!(validate_shares(&s).unwrap_err().contains("below"));
+        s.insert(
+            "a".to_string(),
+            Share {
+                guaranteed: 0.7,
+                burst: 1.0,
+            },
+        );
+        s.insert(
+            "b".to_string(),
+            Share {
+                guaranteed: 0.4,
+                burst: 1.0,
+            },
+        );
+        assert!(validate_shares(&s).unwrap_err().contains("sum"));
+        s.insert(
+            "b".to_string(),
+            Share {
+                guaranteed: 1.5,
+                burst: 2.0,
+            },
+        );
+        assert!(validate_shares(&s).is_err());
+    }
+
+    #[test]
+    fn exhaustive_small_model_never_exceeds_caps() {
+        // Every sequence of reserve/release over a tiny domain keeps used
+        // within the caps and equal to the sum of live reservations.
+        let tenants = ["a", "b", "stranger"];
+        let demands = [d(1, 100), d(2, 300), d(1, 600)];
+        for seed in 0..500u64 {
+            let mut l = shared();
+            let mut live: Vec<(&str, Demand)> = vec![];
+            let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            for _ in 0..40 {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let pick = (x >> 33) as usize;
+                if pick.is_multiple_of(3) && !live.is_empty() {
+                    let (t, dd) = live.remove(pick % live.len());
+                    l.release(t, dd);
+                } else {
+                    let t = tenants[pick % 3];
+                    let dd = demands[(pick / 3) % 3];
+                    if l.reserve(t, dd).is_ok() {
+                        live.push((t, dd));
+                    }
+                }
+                let sum = live.iter().fold(d(0, 0), |a, (_, x)| {
+                    d(a.seqs + x.seqs, a.kv_tokens + x.kv_tokens)
+                });
+                assert_eq!(l.used(), sum);
+                assert!(sum.seqs <= 8 && sum.kv_tokens <= 1000);
+                assert!(l.tenant_used("b").kv_tokens <= 500);
+            }
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! envelope's governor: a sidecar in front of an OpenAI-compatible server
+//! that enforces a measured profile's limits (context, output, concurrent
+//! sequences, KV tokens in flight) with a bounded, fair admission queue and
+//! a live guard. It depends on `envelope-profile` and `envelope-telemetry`
+//! only: no engine, no CUDA.
+//!
+//! Bookkeeping is plain data with unit tests ([`ledger`], [`queue`],
+//! [`ladder`], [`estimate`], [`policy`], [`request`]); [`admission`] and
+//! [`proxy`] wrap it in a thin async layer; [`error`] is the one mapping
+//! from failures to HTTP status, OpenAI body and reason label.
+
+pub mod admission;
+pub mod error;
+pub mod estimate;
+pub mod ladder;
+pub mod ledger;
+pub mod live;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod queue;
+pub mod request;
+pub mod settings;
+pub mod tokens;
+
+pub use admission::{Ask, Governor, Permit};
+pub use error::{GovernError, OverloadReason};
+pub use ladder::{LadderConfig, Level, Reading};
+pub use ledger::{Demand, Share};
+pub use proxy::{app, serve, AppState, ReloadHook};
+pub use queue::Class;
+pub use settings::{OverLimit, Settings, TenantsFile};
+pub use tokens::{CountSource, TokenCounter};
+/// Re-exported so the CLI can read its TOML config without its own dependency.
+pub use toml;

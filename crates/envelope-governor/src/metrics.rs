@@ -1,0 +1,249 @@
+//! The governor's own `/metrics` (Prometheus text, names
+//! `envelope_governor_*`). Gauges are set from the ledger and queue after
+//! every change; counters and histograms are bumped where things happen.
+//! The rejection reasons are [`crate::GovernError::reason`] labels.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+type Labels = Vec<(String, String)>;
+
+pub struct Metrics {
+    registry: Registry,
+    pub in_flight_sequences: Gauge,
+    pub in_flight_requests: Gauge,
+    pub queued_requests: Gauge,
+    pub queued_tokens: Gauge,
+    pub reserved_kv_tokens: Gauge,
+    pub kv_headroom_tokens: Gauge,
+    pub kv_capacity_tokens: Gauge,
+    pub max_concurrent_sequences: Gauge,
+    pub ladder_state: Gauge,
+    pub draining: Gauge,
+    pub upstream_kv_usage: Gauge<f64, AtomicU64>,
+    pub profile_info: Family<Labels, Gauge>,
+    pub rejections: Family<Labels, Counter>,
+    pub admitted: Family<Labels, Counter>,
+    pub token_counts: Family<Labels, Counter>,
+    pub output_decisions: Family<Labels, Counter>,
+    pub upstream_errors: Family<Labels, Counter>,
+    pub reserved_tokens_settled: Counter,
+    pub used_tokens_settled: Counter,
+    pub reloads: Family<Labels, Counter>,
+    pub queue_age: Histogram,
+    pub added_latency: Histogram,
+    pub ttft: Histogram,
+    pub inter_chunk: Histogram,
+}
+
+pub fn label(k: &str, v: &str) -> Labels {
+    vec![(k.to_string(), v.to_string())]
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut m = Metrics {
+            registry: Registry::default(),
+            in_flight_sequences: Gauge::default(),
+            in_flight_requests: Gauge::default(),
+            queued_requests: Gauge::default(),
+            queued_tokens: Gauge::default(),
+            reserved_kv_tokens: Gauge::default(),
+            kv_headroom_tokens: Gauge::default(),
+            kv_capacity_tokens: Gauge::default(),
+            max_concurrent_sequences: Gauge::default(),
+            ladder_state: Gauge::default(),
+            draining: Gauge::default(),
+            upstream_kv_usage: Gauge::default(),
+            profile_info: Family::default(),
+            rejections: Family::default(),
+            admitted: Family::default(),
+            token_counts: Family::default(),
+            output_decisions: Family::default(),
+            upstream_errors: Family::default(),
+            reserved_tokens_settled: Counter::default(),
+            used_tokens_settled: Counter::default(),
+            reloads: Family::default(),
+            // 50 us .. ~100 s
+            queue_age: Histogram::new(exponential_buckets(0.00005, 2.0, 22)),
+            added_latency: Histogram::new(exponential_buckets(0.00005, 2.0, 22)),
+            ttft: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
+            inter_chunk: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+        };
+        let r = &mut m.registry;
+        macro_rules! reg {
+            ($name:expr, $help:expr, $metric:expr) => {
+                r.register($name, $help, $metric.clone())
+            };
+        }
+        reg!(
+            "envelope_governor_in_flight_sequences",
+            "Sequences admitted upstream and not finished",
+            m.in_flight_sequences
+        );
+        reg!(
+            "envelope_governor_in_flight_requests",
+            "Requests admitted upstream and not finished",
+            m.in_flight_requests
+        );
+        reg!(
+            "envelope_governor_queued_requests",
+            "Requests waiting for admission",
+            m.queued_requests
+        );
+        reg!(
+            "envelope_governor_queued_tokens",
+            "KV tokens the queued requests would reserve",
+            m.queued_tokens
+        );
+        reg!(
+            "envelope_governor_reserved_kv_tokens",
+            "KV tokens reserved by requests in flight",
+            m.reserved_kv_tokens
+        );
+        reg!(
+            "envelope_governor_kv_headroom_tokens",
+            "KV tokens free under the current cap",
+            m.kv_headroom_tokens
+        );
+        reg!(
+            "envelope_governor_kv_capacity_tokens",
+            "Current KV token cap (profile, overrides, ladder)",
+            m.kv_capacity_tokens
+        );
+        reg!(
+            "envelope_governor_max_concurrent_sequences",
+            "Current concurrency cap",
+            m.max_concurrent_sequences
+        );
+        reg!(
+            "envelope_governor_ladder_state",
+            "Live guard: 0 normal, 1 small_context, 2 reject_new",
+            m.ladder_state
+        );
+        reg!(
+            "envelope_governor_draining",
+            "1 while draining (SIGTERM)",
+            m.draining
+        );
+        reg!(
+            "envelope_governor_upstream_kv_usage",
+            "Upstream KV use (0..1) at the last reading",
+            m.upstream_kv_usage
+        );
+        reg!(
+            "envelope_governor_profile",
+            "The enforced profile (value 1)",
+            m.profile_info
+        );
+        reg!(
+            "envelope_governor_rejections",
+            "Requests refused, by reason",
+            m.rejections
+        );
+        reg!(
+            "envelope_governor_admitted",
+            "Requests admitted upstream, by endpoint",
+            m.admitted
+        );
+        reg!(
+            "envelope_governor_token_counts",
+            "Prompt token counts, by source (estimate is labelled)",
+            m.token_counts
+        );
+        reg!(
+            "envelope_governor_output_limit",
+            "max_tokens decisions: kept, injected, clamped",
+            m.output_decisions
+        );
+        reg!(
+            "envelope_governor_upstream_errors",
+            "Upstream failures, by kind",
+            m.upstream_errors
+        );
+        reg!(
+            "envelope_governor_reserved_tokens_settled",
+            "KV tokens reserved by finished requests",
+            m.reserved_tokens_settled
+        );
+        reg!(
+            "envelope_governor_used_tokens_settled",
+            "KV tokens finished requests actually used (prompt + output, when reported)",
+            m.used_tokens_settled
+        );
+        reg!(
+            "envelope_governor_profile_reloads",
+            "Profile reloads, by outcome",
+            m.reloads
+        );
+        reg!(
+            "envelope_governor_queue_age_seconds",
+            "Time admitted requests waited in the queue",
+            m.queue_age
+        );
+        reg!(
+            "envelope_governor_added_latency_seconds",
+            "Arrival to upstream send (validation, counting, queue)",
+            m.added_latency
+        );
+        reg!(
+            "envelope_governor_time_to_first_chunk_seconds",
+            "Upstream send to first response chunk (streams)",
+            m.ttft
+        );
+        reg!(
+            "envelope_governor_inter_chunk_seconds",
+            "Gaps between response chunks (streams)",
+            m.inter_chunk
+        );
+        m
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        let _ = encode(&mut s, &self.registry);
+        s
+    }
+
+    pub fn reject(&self, reason: &str) {
+        self.rejections
+            .get_or_create(&label("reason", reason))
+            .inc();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_names_with_prefix() {
+        let m = Metrics::new();
+        m.reject("queue_full");
+        m.in_flight_sequences.set(3);
+        let text = m.render();
+        assert!(
+            text.contains("envelope_governor_rejections_total{reason=\"queue_full\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("envelope_governor_in_flight_sequences 3"));
+        assert!(text.contains("envelope_governor_queue_age_seconds_bucket"));
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            assert!(line.starts_with("envelope_governor_"), "{line}");
+        }
+    }
+}

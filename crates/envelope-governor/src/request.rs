@@ -1,0 +1,417 @@
+//! Parse, then validate (TGI's `GenerateRequest` -> `ValidGenerateRequest`):
+//! the fields the governor needs from an OpenAI request body, each checked
+//! and named in the error. Fields the governor does not read (including
+//! unknown ones) are passed through untouched: the upstream owns them. The
+//! body is rewritten only when `max_tokens` must be injected or clamped.
+
+use crate::error::GovernError;
+use serde_json::{Map, Value};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn prompt_param(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "prompt",
+            Endpoint::Chat => "messages",
+        }
+    }
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::Chat => "chat",
+        }
+    }
+}
+
+/// The prompt(s): one per sequence group (a completions batch has several).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompts {
+    Texts(Vec<String>),
+    Tokens(Vec<Vec<u32>>),
+    /// Chat messages as sent (validated: non-empty, each has a string role).
+    Messages(Vec<Value>),
+}
+
+impl Prompts {
+    pub fn groups(&self) -> usize {
+        match self {
+            Prompts::Texts(v) => v.len(),
+            Prompts::Tokens(v) => v.len(),
+            Prompts::Messages(_) => 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub body: Map<String, Value>,
+    pub prompts: Prompts,
+    /// The client's limit, if any, and the field it used.
+    pub max_tokens: Option<u64>,
+    pub max_tokens_field: &'static str,
+    pub n: u64,
+    pub stream: bool,
+}
+
+/// Upper bound on `n` (OpenAI's own is 128).
+pub const MAX_N: u64 = 128;
+
+fn int_field(obj: &Map<String, Value>, name: &'static str) -> Result<Option<i64>, GovernError> {
+    match obj.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(v) => Ok(Some(v)),
+            None if n.as_u64().is_some() => Ok(Some(i64::MAX)),
+            None => Err(GovernError::invalid(
+                Some(name),
+                format!("`{name}` must be an integer, got {n}"),
+            )),
+        },
+        Some(other) => Err(GovernError::invalid(
+            Some(name),
+            format!("`{name}` must be an integer, got {}", type_name(other)),
+        )),
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn token_ids(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+fn parse_prompt(v: Option<&Value>) -> Result<Prompts, GovernError> {
+    let bad = |m: &str| GovernError::invalid(Some("prompt"), m.to_string());
+    let v = v.ok_or_else(|| bad("`prompt` is required"))?;
+    let p = match v {
+        Value::String(s) => Prompts::Texts(vec![s.clone()]),
+        Value::Array(a) if a.is_empty() => return Err(bad("`prompt` is an empty list")),
+        Value::Array(a) if a.iter().all(Value::is_string) => Prompts::Texts(
+            a.iter()
+                .map(|x| x.as_str().unwrap_or_default().to_string())
+                .collect(),
+        ),
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            Prompts::Tokens(vec![token_ids(a)
+                .ok_or_else(|| bad("`prompt` token ids must be integers in 0..2^32"))?])
+        }
+        Value::Array(a) if a.iter().all(Value::is_array) => Prompts::Tokens(
+            a.iter()
+                .map(|x| {
+                    token_ids(x.as_array().map(Vec::as_slice).unwrap_or_default())
+                        .filter(|t| !t.is_empty())
+                        .ok_or_else(|| {
+                            bad("`prompt` token id lists must be non-empty integers in 0..2^32")
+                        })
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        other => {
+            return Err(bad(&format!(
+                "`prompt` must be a string, a list of strings or token ids, got {}",
+                type_name(other)
+            )))
+        }
+    };
+    let empty = match &p {
+        Prompts::Texts(v) => v.iter().any(String::is_empty),
+        Prompts::Tokens(v) => v.iter().any(Vec::is_empty),
+        Prompts::Messages(_) => false,
+    };
+    if empty {
+        return Err(bad("`prompt` is empty"));
+    }
+    Ok(p)
+}
+
+fn parse_messages(v: Option<&Value>) -> Result<Prompts, GovernError> {
+    let bad = |m: String| GovernError::invalid(Some("messages"), m);
+    let Some(Value::Array(a)) = v else {
+        return Err(bad("`messages` is required and must be a list".into()));
+    };
+    if a.is_empty() {
+        return Err(bad("`messages` is empty".into()));
+    }
+    for (i, m) in a.iter().enumerate() {
+        let Some(obj) = m.as_object() else {
+            return Err(bad(format!("`messages[{i}]` must be an object")));
+        };
+        if !obj.get("role").is_some_and(Value::is_string) {
+            return Err(bad(format!("`messages[{i}].role` must be a string")));
+        }
+        match obj.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Array(_)) => {}
+            Some(other) => {
+                return Err(bad(format!(
+                    "`messages[{i}].content` must be a string or a list of parts, got {}",
+                    type_name(other)
+                )))
+            }
+        }
+    }
+    Ok(Prompts::Messages(a.clone()))
+}
+
+/// The text of a chat message's content (string, or the `text` of its parts).
+pub fn message_text(m: &Value) -> String {
+    match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+/// Parses and validates `body` for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| GovernError::invalid(None, format!("the request body is not UTF-8: {e}")))?;
+    let value: Value = serde_json::from_str(text).map_err(|e| {
+        GovernError::invalid(None, format!("the request body is not valid JSON: {e}"))
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(GovernError::invalid(
+            None,
+            "the request body must be a JSON object",
+        ));
+    };
+    let prompts = match endpoint {
+        Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
+        Endpoint::Chat => parse_messages(obj.get("messages"))?,
+    };
+    let (field, asked) = match (
+        endpoint,
+        int_field(&obj, "max_completion_tokens")?,
+        int_field(&obj, "max_tokens")?,
+    ) {
+        (Endpoint::Chat, Some(v), _) => ("max_completion_tokens", Some(v)),
+        (_, _, v) => ("max_tokens", v),
+    };
+    let max_tokens = match asked {
+        Some(v) if v < 1 => {
+            return Err(GovernError::invalid(
+                Some(field),
+                format!("`{field}` must be at least 1, got {v}"),
+            ))
+        }
+        Some(v) => Some(v as u64),
+        None => None,
+    };
+    let n = match int_field(&obj, "n")? {
+        None => 1,
+        Some(v) if (1..=MAX_N as i64).contains(&v) => v as u64,
+        Some(v) => {
+            return Err(GovernError::invalid(
+                Some("n"),
+                format!("`n` must be in 1..={MAX_N}, got {v}"),
+            ))
+        }
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(GovernError::invalid(
+                Some("stream"),
+                format!("`stream` must be a boolean, got {}", type_name(other)),
+            ))
+        }
+    };
+    Ok(ParsedRequest {
+        endpoint,
+        body: obj,
+        prompts,
+        max_tokens,
+        max_tokens_field: field,
+        n,
+        stream,
+    })
+}
+
+/// How the output limit was decided, for the `x-envelope-max-tokens` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputDecision {
+    Kept,
+    Injected,
+    Clamped,
+}
+
+impl OutputDecision {
+    pub fn label(self) -> &'static str {
+        match self {
+            OutputDecision::Kept => "kept",
+            OutputDecision::Injected => "injected",
+            OutputDecision::Clamped => "clamped",
+        }
+    }
+}
+
+impl ParsedRequest {
+    /// The body to forward: the original bytes unless `max_tokens` changed.
+    pub fn body_with_max_tokens(&self, original: &bytes::Bytes, applied: u64) -> bytes::Bytes {
+        if self.max_tokens == Some(applied) {
+            return original.clone();
+        }
+        let mut obj = self.body.clone();
+        obj.insert(self.max_tokens_field.to_string(), Value::from(applied));
+        bytes::Bytes::from(serde_json::to_vec(&Value::Object(obj)).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(endpoint: Endpoint, body: &str) -> GovernError {
+        parse(endpoint, body.as_bytes()).unwrap_err()
+    }
+
+    fn param(e: &GovernError) -> Option<String> {
+        e.body()["error"]["param"].as_str().map(str::to_string)
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let p = parse(Endpoint::Completions, br#"{"prompt":"hi","max_tokens":5}"#).unwrap();
+        assert_eq!(p.prompts, Prompts::Texts(vec!["hi".into()]));
+        assert_eq!(p.max_tokens, Some(5));
+        assert_eq!((p.n, p.stream), (1, false));
+        let p = parse(Endpoint::Completions, br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(p.prompts, Prompts::Tokens(vec![vec![1, 2, 3]]));
+        let p = parse(Endpoint::Completions, br#"{"prompt":[[1],[2,3]],"n":2}"#).unwrap();
+        assert_eq!(p.prompts.groups(), 2);
+        assert_eq!(p.n, 2);
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":["a","b"],"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!(p.prompts.groups(), 2);
+        assert!(p.stream);
+    }
+
+    #[test]
+    fn bad_prompts_name_the_field() {
+        for body in [
+            r#"{}"#,
+            r#"{"prompt":""}"#,
+            r#"{"prompt":[]}"#,
+            r#"{"prompt":[""]}"#,
+            r#"{"prompt":5}"#,
+            r#"{"prompt":[1,-2]}"#,
+            r#"{"prompt":[1,"a"]}"#,
+            r#"{"prompt":[[]]}"#,
+            r#"{"prompt":[99999999999]}"#,
+        ] {
+            let e = err(Endpoint::Completions, body);
+            assert_eq!(e.status().as_u16(), 400, "{body}");
+            assert_eq!(param(&e).as_deref(), Some("prompt"), "{body}");
+        }
+    }
+
+    #[test]
+    fn body_level_errors() {
+        let e = parse(Endpoint::Chat, &[0xff, 0xfe, b'{']).unwrap_err();
+        assert!(e.to_string().contains("UTF-8"));
+        assert!(err(Endpoint::Chat, "{not json")
+            .to_string()
+            .contains("JSON"));
+        assert!(err(Endpoint::Chat, "[1,2]").to_string().contains("object"));
+    }
+
+    #[test]
+    fn max_tokens_and_n_validation() {
+        for (body, p) in [
+            (r#"{"prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":-5}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":"10"}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":1.5}"#, "max_tokens"),
+            (r#"{"prompt":"x","n":0}"#, "n"),
+            (r#"{"prompt":"x","n":1000}"#, "n"),
+            (r#"{"prompt":"x","stream":"yes"}"#, "stream"),
+        ] {
+            assert_eq!(
+                param(&err(Endpoint::Completions, body)).as_deref(),
+                Some(p),
+                "{body}"
+            );
+        }
+        // Absurdly large is valid here; the output cap decides (clamp or reject).
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_tokens":18446744073709551615}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(i64::MAX as u64));
+        // null counts as absent.
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_tokens":null}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, None);
+    }
+
+    #[test]
+    fn chat_messages_and_max_completion_tokens() {
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":7,"max_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(7));
+        assert_eq!(p.max_tokens_field, "max_completion_tokens");
+        for body in [
+            r#"{"messages":[]}"#,
+            r#"{"messages":"hi"}"#,
+            r#"{"messages":[{"content":"x"}]}"#,
+            r#"{"messages":[{"role":"user","content":5}]}"#,
+            r#"{"messages":[3]}"#,
+        ] {
+            assert_eq!(
+                param(&err(Endpoint::Chat, body)).as_deref(),
+                Some("messages"),
+                "{body}"
+            );
+        }
+        let m: Value = serde_json::json!({"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]});
+        assert_eq!(message_text(&m), "ab");
+    }
+
+    #[test]
+    fn unknown_fields_pass_through_and_bytes_are_kept_unless_changed() {
+        let raw =
+            bytes::Bytes::from_static(br#"{"prompt":"x", "max_tokens":4, "frobnicate":true}"#);
+        let p = parse(Endpoint::Completions, &raw).unwrap();
+        assert_eq!(p.body_with_max_tokens(&raw, 4), raw);
+        let changed = p.body_with_max_tokens(&raw, 2);
+        let v: Value = serde_json::from_slice(&changed).unwrap();
+        assert_eq!(v["max_tokens"], 2);
+        assert_eq!(v["frobnicate"], true);
+        let raw = bytes::Bytes::from_static(br#"{"messages":[{"role":"user","content":"x"}]}"#);
+        let p = parse(Endpoint::Chat, &raw).unwrap();
+        let v: Value = serde_json::from_slice(&p.body_with_max_tokens(&raw, 3)).unwrap();
+        assert_eq!(v["max_tokens"], 3);
+        assert_eq!(OutputDecision::Clamped.label(), "clamped");
+    }
+}

@@ -1,0 +1,287 @@
+//! An in-process fake OpenAI-compatible upstream that the tests control
+//! (delay per token, hang, die mid-stream, KV usage in /metrics) and that
+//! records what reached it (requests, sequences and KV tokens in flight,
+//! their maxima), plus a governor in front of it on loopback.
+#![allow(dead_code)]
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use envelope_governor::{AppState, Governor, Settings, TokenCounter};
+use envelope_profile::Limits;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Default)]
+pub struct Fake {
+    pub delay_per_token_ms: AtomicU64,
+    /// Never answer (headers never come).
+    pub hang: AtomicBool,
+    /// Stop the stream (connection error) after this many chunks; 0 = never.
+    pub die_after_chunks: AtomicU64,
+    /// Stall (no more bytes, connection open) after this many chunks; 0 = never.
+    pub stall_after_chunks: AtomicU64,
+    pub kv_usage_milli: AtomicU64,
+    pub requests: AtomicU64,
+    pub seqs_in_flight: AtomicI64,
+    pub max_seqs_in_flight: AtomicI64,
+    pub kv_in_flight: AtomicI64,
+    pub max_kv_in_flight: AtomicI64,
+    pub last_body: Mutex<Option<Value>>,
+}
+
+/// Decrements the in-flight counters when the handler or its stream ends.
+struct InFlight {
+    fake: Arc<Fake>,
+    seqs: i64,
+    kv: i64,
+}
+
+impl InFlight {
+    fn new(fake: Arc<Fake>, seqs: i64, kv: i64) -> InFlight {
+        let s = fake.seqs_in_flight.fetch_add(seqs, Ordering::SeqCst) + seqs;
+        fake.max_seqs_in_flight.fetch_max(s, Ordering::SeqCst);
+        let k = fake.kv_in_flight.fetch_add(kv, Ordering::SeqCst) + kv;
+        fake.max_kv_in_flight.fetch_max(k, Ordering::SeqCst);
+        InFlight { fake, seqs, kv }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.fake
+            .seqs_in_flight
+            .fetch_sub(self.seqs, Ordering::SeqCst);
+        self.fake.kv_in_flight.fetch_sub(self.kv, Ordering::SeqCst);
+    }
+}
+
+/// The fake counts one token per byte of prompt text (like a byte tokenizer).
+fn prompt_tokens(body: &Value) -> u64 {
+    if let Some(p) = body.get("prompt") {
+        return match p {
+            Value::String(s) => s.len() as u64,
+            Value::Array(a) => a
+                .iter()
+                .map(|x| x.as_str().map(|s| s.len()).unwrap_or(1) as u64)
+                .sum(),
+            _ => 1,
+        };
+    }
+    body.get("messages")
+        .and_then(Value::as_array)
+        .map(|m| {
+            m.iter()
+                .map(|x| x["content"].as_str().unwrap_or("").len() as u64)
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+async fn generate(State(fake): State<Arc<Fake>>, body: Bytes) -> Response {
+    fake.requests.fetch_add(1, Ordering::SeqCst);
+    let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    *fake.last_body.lock().unwrap() = Some(v.clone());
+    if fake.hang.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+    }
+    let n = v["n"].as_u64().unwrap_or(1) as i64;
+    let max_tokens = v["max_tokens"]
+        .as_u64()
+        .or(v["max_completion_tokens"].as_u64())
+        .unwrap_or(16);
+    let prompt = prompt_tokens(&v);
+    let guard = InFlight::new(fake.clone(), n, ((prompt + max_tokens) as i64) * n);
+    let delay = Duration::from_millis(fake.delay_per_token_ms.load(Ordering::SeqCst));
+    let usage = json!({"prompt_tokens": prompt, "completion_tokens": max_tokens, "total_tokens": prompt + max_tokens});
+    if v["stream"].as_bool() == Some(true) {
+        let die = fake.die_after_chunks.load(Ordering::SeqCst);
+        let stall = fake.stall_after_chunks.load(Ordering::SeqCst);
+        let stream = futures::stream::unfold((0u64, guard), move |(i, g)| {
+            let usage = usage.clone();
+            async move {
+                if i > max_tokens {
+                    return None;
+                }
+                if die > 0 && i == die {
+                    return Some((Err(std::io::Error::other("fake upstream died")), (i + 1, g)));
+                }
+                if stall > 0 && i == stall {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                }
+                tokio::time::sleep(delay).await;
+                let chunk = if i == max_tokens {
+                    format!(
+                        "data: {}\n\ndata: [DONE]\n\n",
+                        json!({"choices": [], "usage": usage})
+                    )
+                } else {
+                    format!(
+                        "data: {}\n\n",
+                        json!({"choices": [{"index": 0, "text": "x", "finish_reason": null}]})
+                    )
+                };
+                Some((Ok::<Bytes, std::io::Error>(Bytes::from(chunk)), (i + 1, g)))
+            }
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    tokio::time::sleep(delay * max_tokens as u32).await;
+    drop(guard);
+    Json(json!({"id": "x", "object": "text_completion",
+        "choices": [{"index": 0, "text": "x".repeat(max_tokens as usize), "finish_reason": "length"}],
+        "usage": usage}))
+    .into_response()
+}
+
+async fn tokenize(Json(v): Json<Value>) -> Json<Value> {
+    Json(json!({"count": prompt_tokens(&v) + if v.get("messages").is_some() { 5 } else { 0 }}))
+}
+
+async fn metrics(State(fake): State<Arc<Fake>>) -> String {
+    let kv = fake.kv_usage_milli.load(Ordering::SeqCst) as f64 / 1000.0;
+    format!(
+        "# TYPE envelope:kv_cache_usage_perc gauge\nenvelope:kv_cache_usage_perc {kv}\n# TYPE envelope:num_preemptions_total counter\nenvelope:num_preemptions_total 0\n# TYPE envelope:num_requests_running gauge\nenvelope:num_requests_running {}\n",
+        fake.seqs_in_flight.load(Ordering::SeqCst)
+    )
+}
+
+/// Starts the fake; returns it and its base URL.
+pub async fn fake_upstream() -> (Arc<Fake>, String) {
+    let fake = Arc::new(Fake::default());
+    let app = Router::new()
+        .route("/v1/completions", post(generate))
+        .route("/v1/chat/completions", post(generate))
+        .route(
+            "/v1/models",
+            get(|| async { Json(json!({"object": "list", "data": [{"id": "fake-model"}]})) }),
+        )
+        .route("/tokenize", post(tokenize))
+        .route("/metrics", get(metrics))
+        .with_state(fake.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (fake, format!("http://{addr}"))
+}
+
+pub fn limits(ctx: u64, out: u64, seqs: u64, kv: u64) -> Limits {
+    Limits {
+        max_context_tokens: ctx,
+        max_output_tokens: out,
+        max_concurrent_seqs: seqs,
+        max_kv_tokens_in_flight: kv,
+    }
+}
+
+pub struct Gov {
+    pub gov: Arc<Governor>,
+    pub base: String,
+    pub fake: Arc<Fake>,
+    pub upstream: String,
+    pub client: reqwest::Client,
+}
+
+impl Gov {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        self.client
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.client
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    pub async fn state(&self) -> Value {
+        self.client
+            .get(self.url("/admin/state"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Polls /admin/state until `f` holds (or 5 s pass); returns the last state.
+    pub async fn wait_state(&self, f: impl Fn(&Value) -> bool) -> Value {
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = self.state().await;
+            if f(&s) || std::time::Instant::now() > end {
+                return s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A fake upstream and a governor in front of it; `tune` adjusts settings.
+pub async fn start(limits: Limits, tune: impl FnOnce(&mut Settings)) -> Gov {
+    let (fake, upstream) = fake_upstream().await;
+    start_with(fake, upstream, limits, tune, None).await
+}
+
+pub async fn start_with(
+    fake: Arc<Fake>,
+    upstream: String,
+    limits: Limits,
+    tune: impl FnOnce(&mut Settings),
+    counter: Option<TokenCounter>,
+) -> Gov {
+    let mut s = Settings::new(limits, "test-profile");
+    tune(&mut s);
+    s.validate().unwrap();
+    let gov = Governor::new(s);
+    let counter = counter.unwrap_or(TokenCounter::Upstream {
+        client: reqwest::Client::new(),
+        url: format!("{upstream}/tokenize"),
+        timeout: Duration::from_secs(5),
+    });
+    let state = Arc::new(AppState::new(gov.clone(), &upstream, counter));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(envelope_governor::serve(
+        listener,
+        state,
+        std::future::pending(),
+    ));
+    Gov {
+        gov,
+        base: format!("http://{addr}"),
+        fake,
+        upstream,
+        client: reqwest::Client::new(),
+    }
+}
+
+/// The value of an unlabelled or exactly-labelled sample in Prometheus text.
+pub fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|r| r.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}

@@ -1,0 +1,429 @@
+//! The governor in process in front of a fake upstream: pass-through and
+//! streaming, the caps (context, output, concurrency, KV), the queue and
+//! its refusals, release on completion, error and client disconnect.
+
+mod common;
+
+use common::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+fn assert_openai_error(v: &Value, code: &str) {
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(v["error"]["type"].is_string(), "{v}");
+    assert_eq!(v["error"]["code"], code, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_pass_through_chunk_by_chunk_with_headers() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    g.fake.delay_per_token_ms.store(40, Ordering::SeqCst);
+    let t0 = Instant::now();
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 10, "stream": true}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "10");
+    assert_eq!(r.headers()["x-envelope-max-tokens-decision"], "kept");
+    assert_eq!(r.headers()["x-envelope-token-count"], "upstream_tokenize");
+    assert_eq!(r.headers()["x-envelope-prompt-tokens"], "5");
+    let mut s = r.bytes_stream();
+    let first = s.next().await.unwrap().unwrap();
+    let first_at = t0.elapsed();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "));
+    let mut all = first.to_vec();
+    while let Some(c) = s.next().await {
+        all.extend_from_slice(&c.unwrap());
+    }
+    let total = t0.elapsed();
+    // Not buffered: the first chunk came long before the end (11 x 40 ms).
+    assert!(first_at < total / 3, "first {first_at:?} of {total:?}");
+    let text = String::from_utf8(all).unwrap();
+    assert_eq!(text.matches("\"text\":\"x\"").count(), 10);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    // Byte-identical body: the request was not rewritten (max_tokens kept).
+    assert_eq!(
+        g.fake.last_body.lock().unwrap().as_ref().unwrap()["max_tokens"],
+        10
+    );
+    let st = g.wait_state(|s| s["in_flight"]["requests"] == 0).await;
+    assert_eq!(st["in_flight"]["kv_tokens"], 0);
+    let m = g.metrics().await;
+    assert!(
+        m.contains("envelope_governor_time_to_first_chunk_seconds_count 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn get_paths_pass_through_and_others_are_404() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    let r = g.client.get(g.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["data"][0]["id"], "fake-model");
+    let r = g.client.delete(g.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_openai_error(&r.json().await.unwrap(), "not_found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn context_cap_refuses_before_the_upstream() {
+    let g = start(limits(20, 10, 4, 4000), |_| {}).await;
+    let r = g
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "0123456789"}], "max_tokens": 10}),
+        )
+        .await;
+    // 10 bytes + 5 template tokens + 10 > 20.
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.headers()["x-should-retry"], "false");
+    let v: Value = r.json().await.unwrap();
+    assert_openai_error(&v, "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "messages");
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 0);
+    // Token-id prompts count exactly: 15 + 5 = 20 fits, 16 + 5 does not.
+    let ids: Vec<u32> = (0..15).collect();
+    let r = g
+        .post("/v1/completions", json!({"prompt": ids, "max_tokens": 5}))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-token-count"], "token_ids");
+    let ids: Vec<u32> = (0..16).collect();
+    let r = g
+        .post("/v1/completions", json!({"prompt": ids, "max_tokens": 5}))
+        .await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["param"], "prompt");
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn output_cap_injects_and_clamps_or_rejects() {
+    let g = start(limits(1000, 50, 4, 4000), |_| {}).await;
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "50");
+    assert_eq!(r.headers()["x-envelope-max-tokens-decision"], "injected");
+    r.bytes().await.unwrap();
+    assert_eq!(
+        g.fake.last_body.lock().unwrap().as_ref().unwrap()["max_tokens"],
+        50
+    );
+    let r = g
+        .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000, "temperature": 0.2, "unknown_field": [1]}))
+        .await;
+    assert_eq!(r.headers()["x-envelope-max-tokens-decision"], "clamped");
+    r.bytes().await.unwrap();
+    let sent = g.fake.last_body.lock().unwrap().clone().unwrap();
+    assert_eq!(sent["max_completion_tokens"], 50);
+    // Unknown fields pass through untouched.
+    assert_eq!(sent["unknown_field"], json!([1]));
+    assert_eq!(sent["temperature"], 0.2);
+
+    let g = start(limits(1000, 50, 4, 4000), |s| {
+        s.over_limit = envelope_governor::OverLimit::Reject
+    })
+    .await;
+    let r = g
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 51}))
+        .await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_openai_error(&v, "max_tokens_over_limit");
+    assert_eq!(v["error"]["param"], "max_tokens");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn in_flight_never_exceeds_caps_under_a_burst() {
+    // 3 sequences, 90 KV tokens: each request is 5 + 10 = 15 tokens, so the
+    // sequence cap binds; n = 2 requests count twice.
+    let g = start(limits(1000, 10, 3, 90), |s| s.max_queue_tokens = 10_000).await;
+    g.fake.delay_per_token_ms.store(3, Ordering::SeqCst);
+    let mut tasks = vec![];
+    for i in 0..40 {
+        let c = g.client.clone();
+        let url = g.url("/v1/completions");
+        let n = if i % 4 == 0 { 2 } else { 1 };
+        let stream = i % 2 == 0;
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .post(url)
+                .json(&json!({"prompt": "hello", "max_tokens": 10, "n": n, "stream": stream}))
+                .send()
+                .await
+                .unwrap();
+            let st = r.status().as_u16();
+            r.bytes().await.unwrap();
+            st
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 40);
+    let max = g.fake.max_seqs_in_flight.load(Ordering::SeqCst);
+    assert!(max <= 3, "the upstream saw {max} sequences at once");
+    assert!(max >= 2, "the burst never overlapped ({max})");
+    let st = g.wait_state(|s| s["in_flight"]["sequences"] == 0).await;
+    assert_eq!(st["queue"]["requests"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn kv_budget_binds_and_is_never_exceeded() {
+    // Each request reserves 5 + 20 = 25 KV tokens; 60 fit two at a time.
+    let g = start(limits(1000, 20, 16, 60), |s| s.max_queue_tokens = 10_000).await;
+    g.fake.delay_per_token_ms.store(2, Ordering::SeqCst);
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let c = g.client.clone();
+            let url = g.url("/v1/completions");
+            tokio::spawn(async move {
+                c.post(url)
+                    .json(&json!({"prompt": "hello", "max_tokens": 20}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let max_kv = g.fake.max_kv_in_flight.load(Ordering::SeqCst);
+    assert!(max_kv <= 60, "{max_kv} KV tokens in flight upstream");
+    assert_eq!(g.fake.max_seqs_in_flight.load(Ordering::SeqCst), 2);
+    let m = g.metrics().await;
+    assert_eq!(
+        sample(&m, "envelope_governor_reserved_kv_tokens"),
+        Some(0.0)
+    );
+    assert!(
+        sample(&m, "envelope_governor_queue_age_seconds_count").unwrap() >= 18.0,
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn never_fitting_requests_are_400_not_429() {
+    // Context allows 5 + 100, but the whole KV budget is 50.
+    let g = start(limits(1000, 100, 4, 50), |_| {}).await;
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 100}),
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    assert_openai_error(&r.json().await.unwrap(), "context_length_exceeded");
+    // n over the concurrency cap.
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 1, "n": 5}),
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["param"], "n");
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 0);
+    let m = g.metrics().await;
+    assert!(
+        m.contains("envelope_governor_rejections_total{reason=\"never_fits\"} 2"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn full_queue_refuses_with_429_and_retry_after() {
+    let g = start(limits(1000, 10, 1, 1000), |s| {
+        s.max_queue_len = 2;
+    })
+    .await;
+    g.fake.delay_per_token_ms.store(50, Ordering::SeqCst);
+    // One running (10 x 50 ms), two queued, the rest refused.
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let c = g.client.clone();
+            let url = g.url("/v1/completions");
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .json(&json!({"prompt": "hello", "max_tokens": 10}))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let ra = r
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+                let body: Value =
+                    serde_json::from_slice(&r.bytes().await.unwrap()).unwrap_or(Value::Null);
+                (status, ra, body)
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut refused = 0;
+    for t in tasks {
+        let (status, ra, body) = t.await.unwrap();
+        match status {
+            200 => ok += 1,
+            429 => {
+                refused += 1;
+                let ra = ra.expect("Retry-After");
+                assert!((1..=60).contains(&ra), "{ra}");
+                assert_openai_error(&body, "rate_limit_exceeded");
+                assert_eq!(body["error"]["type"], "rate_limit_error");
+            }
+            s => panic!("status {s}: {body}"),
+        }
+    }
+    assert_eq!((ok, refused), (3, 3));
+    let m = g.metrics().await;
+    assert!(
+        m.contains("envelope_governor_rejections_total{reason=\"queue_full\"} 3"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn deadlines_bound_the_wait() {
+    let g = start(limits(1000, 10, 1, 1000), |s| s.max_queue_age_ms = 60_000).await;
+    g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
+    let c = g.client.clone();
+    let url = g.url("/v1/completions");
+    let first = tokio::spawn(async move {
+        c.post(url)
+            .json(&json!({"prompt": "hello", "max_tokens": 10}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t0 = Instant::now();
+    let r = g
+        .client
+        .post(g.url("/v1/completions"))
+        .header("x-request-deadline-ms", "200")
+        .json(&json!({"prompt": "hello", "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert!(
+        t0.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(r.headers()["x-envelope-reason"], "queue_timeout");
+    assert_eq!(first.await.unwrap(), 200);
+    // With a measured drain rate, a hopeless deadline is refused at once.
+    let c = g.client.clone();
+    let url = g.url("/v1/completions");
+    let busy = tokio::spawn(async move {
+        c.post(url)
+            .json(&json!({"prompt": "hello", "max_tokens": 10}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t0 = Instant::now();
+    let r = g
+        .client
+        .post(g.url("/v1/completions"))
+        .header("x-request-deadline-ms", "50")
+        .json(&json!({"prompt": "hello", "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-envelope-reason"], "deadline_unmeetable");
+    assert!(
+        t0.elapsed() < Duration::from_millis(40),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(busy.await.unwrap(), 200);
+    // A malformed deadline is a 400.
+    let r = g
+        .client
+        .post(g.url("/v1/completions"))
+        .header("x-request-deadline-ms", "soon")
+        .json(&json!({"prompt": "hello"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_disconnect_mid_stream_releases_the_reservation() {
+    let g = start(limits(1000, 100, 2, 1000), |_| {}).await;
+    g.fake.delay_per_token_ms.store(50, Ordering::SeqCst);
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 100, "stream": true}),
+        )
+        .await;
+    let mut s = r.bytes_stream();
+    s.next().await.unwrap().unwrap();
+    let st = g.state().await;
+    assert_eq!(st["in_flight"]["kv_tokens"], 105);
+    drop(s);
+    let st = g.wait_state(|s| s["in_flight"]["requests"] == 0).await;
+    assert_eq!(st["in_flight"]["kv_tokens"], 0, "{st}");
+    // And the upstream stream was dropped too.
+    let end = Instant::now() + Duration::from_secs(5);
+    while g.fake.seqs_in_flight.load(Ordering::SeqCst) != 0 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(g.fake.seqs_in_flight.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_disconnect_while_queued_frees_the_slot() {
+    let g = start(limits(1000, 10, 1, 1000), |_| {}).await;
+    g.fake.delay_per_token_ms.store(30, Ordering::SeqCst);
+    let c = g.client.clone();
+    let url = g.url("/v1/completions");
+    let first = tokio::spawn(async move {
+        c.post(url)
+            .json(&json!({"prompt": "a", "max_tokens": 10}))
+            .send()
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let c = g.client.clone();
+    let url = g.url("/v1/completions");
+    let queued = tokio::spawn(async move {
+        c.post(url)
+            .json(&json!({"prompt": "b", "max_tokens": 10}))
+            .send()
+            .await
+    });
+    g.wait_state(|s| s["queue"]["requests"] == 1).await;
+    queued.abort();
+    let st = g.wait_state(|s| s["queue"]["requests"] == 0).await;
+    assert_eq!(st["queue"]["kv_tokens"], 0);
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    let st = g.wait_state(|s| s["in_flight"]["requests"] == 0).await;
+    assert_eq!(st["in_flight"]["kv_tokens"], 0);
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 1);
+}
