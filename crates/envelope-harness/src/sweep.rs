@@ -377,6 +377,7 @@ pub fn run_sweep(
         configs,
         limits,
         probes_total,
+        quality: None,
     };
     SweepOutput {
         profile,

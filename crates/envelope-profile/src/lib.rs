@@ -4,8 +4,13 @@
 //! No GPU, no async, no engine: everything here is data and unit-tested.
 
 pub mod capacity;
+pub mod gate;
+pub mod plan;
+pub mod quality;
 pub mod schema;
 pub mod search;
+pub mod workload;
 
+pub use quality::QualityReport;
 pub use schema::*;
 pub use search::{Bracket, Step};

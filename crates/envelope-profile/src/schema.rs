@@ -191,6 +191,10 @@ pub struct Profile {
     pub selected: String,
     pub limits: Limits,
     pub probes_total: u32,
+    /// `envelope quality`: perplexity, and KL divergence and top-1
+    /// agreement against a reference precision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<crate::QualityReport>,
 }
 
 /// The JSON Schema of [`Profile`] (committed as `profiles/schema/profile.schema.json`).
@@ -263,6 +267,7 @@ mod tests {
                 max_kv_tokens_in_flight: 8192,
             },
             probes_total: 0,
+            quality: None,
         }
     }
 

@@ -1,0 +1,266 @@
+use super::*;
+use crate::{
+    BucketResult, Constraint, Limits, MemoryReport, Percentiles, ProbeSummary, QualityReport, Slo,
+    PROFILE_SCHEMA,
+};
+
+fn fp(precision: &str, cpu: &str, sha: &str) -> serde_json::Value {
+    serde_json::json!({
+        "schema": 1,
+        "engine": {"name": "envelope", "version": "0.1.0", "flags": ["sweep"]},
+        "model": {"kind": "file", "name": "m.gguf", "sha256": sha, "size_bytes": 10},
+        "node": {"source": "host", "gpus": [], "driver_version": null,
+                 "host": {"cpu_model": cpu, "logical_cores": 2, "arch": "x86_64", "os": "linux", "mem_total_bytes": 1}},
+        "precision": precision,
+        "kv_dtype": "f32",
+    })
+}
+
+fn probe(c: u32, decode: f64) -> ProbeSummary {
+    let pc = |v: f64| Percentiles {
+        p50: v,
+        p95: v * 1.5,
+        p99: v * 2.0,
+        max: v * 2.0,
+        mean: v,
+    };
+    ProbeSummary {
+        concurrency: c,
+        requests: 8,
+        valid: true,
+        decode_tok_per_s: decode,
+        prefill_tok_per_s: decode * 5.0,
+        output_tok_per_s: decode,
+        ttft_ms: pc(100.0),
+        itl_ms: pc(10.0),
+        e2e_ms: pc(1000.0),
+        ..Default::default()
+    }
+}
+
+fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profile {
+    let bucket = |i, o| BucketResult {
+        input_tokens: i,
+        output_tokens: o,
+        feasible_concurrency: safe + 1,
+        infeasible_concurrency: None,
+        safe_concurrency: safe,
+        binding_constraint: Constraint::ItlP95,
+        knee_concurrency: None,
+        at_feasible: Some(probe(safe + 1, decode * 1.1)),
+        feasible_rate_per_s: None,
+        safe_rate_per_s: None,
+        probes: vec![probe(safe, decode), probe(safe + 1, decode * 1.1)],
+    };
+    Profile {
+        schema: PROFILE_SCHEMA.into(),
+        created_unix_ms: 1,
+        fingerprint: fp(precision, "AMD EPYC", "abc"),
+        slo: Slo::default(),
+        configs: vec![ConfigResult {
+            name: format!("{precision}-f32-continuous"),
+            precision: precision.into(),
+            kv_dtype: "f32".into(),
+            batch_policy: "continuous".into(),
+            max_num_seqs: 16,
+            memory: MemoryReport {
+                weight_bytes: 1000,
+                weight_bytes_analytic: 1000,
+                kv_bytes_per_token: 10,
+                kv_capacity_tokens: 5000,
+                peak_bytes: Some(3000),
+                ..Default::default()
+            },
+            buckets: vec![bucket(64, 32), bucket(128, 64)],
+            error: None,
+        }],
+        selected: format!("{precision}-f32-continuous"),
+        limits: Limits {
+            max_context_tokens: 192,
+            max_output_tokens: 64,
+            max_concurrent_seqs: 8,
+            max_kv_tokens_in_flight: 1000,
+        },
+        probes_total: 4,
+        quality: Some(QualityReport {
+            model: "m.gguf".into(),
+            precision: precision.into(),
+            reference_precision: Some("f32".into()),
+            text_set: "t.txt".into(),
+            text_bytes: 100,
+            window_tokens: 64,
+            windows: 2,
+            tokens_scored: 126,
+            perplexity: 10.0,
+            mean_nll_nats: 10f64.ln(),
+            reference_perplexity: Some(10.0),
+            kl_divergence_mean: Some(kl),
+            kl_divergence_p95: Some(kl * 3.0),
+            top1_agreement: Some(top1),
+            duration_s: 1.0,
+        }),
+    }
+}
+
+#[test]
+fn rules_parse_and_name_the_field() {
+    let r = Rule::parse("decode_tok_s >= 0.95 x baseline").unwrap();
+    assert_eq!(
+        (r.op, r.number, r.relative_to_baseline),
+        (Op::Ge, 0.95, true)
+    );
+    let r = Rule::parse("kl_divergence <= 0.02").unwrap();
+    assert!(!r.relative_to_baseline);
+    assert!(Rule::parse("nonsense <= 1")
+        .unwrap_err()
+        .contains("unknown metric"));
+    assert!(Rule::parse("kl_divergence == 1")
+        .unwrap_err()
+        .contains("operator"));
+    assert!(Rule::parse("kl_divergence <= lots")
+        .unwrap_err()
+        .contains("not a number"));
+    assert!(Rule::parse("kl_divergence <= 1 x reference").is_err());
+    let e = GateRules::from_toml("rules = [\"top1_agreement >= 0.9\", \"x <= 1\"]", "g.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("g.toml") && e.contains("rules[1]"), "{e}");
+    let e = GateRules::from_toml("rulez = []", "g.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("g.toml") && e.contains("rulez"), "{e}");
+    assert_eq!(GateRules::default_rules().rules.len(), 4);
+}
+
+#[test]
+fn rule_evaluation() {
+    let rel = Rule::parse("decode_tok_s >= 0.95 x baseline").unwrap();
+    let (t, s) = evaluate(&rel, Some(100.0), Some(95.0));
+    assert!((t.unwrap() - 95.0).abs() < 1e-9);
+    assert_eq!(s, RuleStatus::Pass);
+    assert_eq!(evaluate(&rel, Some(100.0), Some(94.9)).1, RuleStatus::Fail);
+    assert_eq!(evaluate(&rel, None, Some(94.9)).1, RuleStatus::Missing);
+    let abs = Rule::parse("kl_divergence <= 0.02").unwrap();
+    assert_eq!(evaluate(&abs, None, Some(0.02)).1, RuleStatus::Pass);
+    assert_eq!(evaluate(&abs, None, Some(0.021)).1, RuleStatus::Fail);
+    assert_eq!(evaluate(&abs, None, None).1, RuleStatus::Missing);
+    assert_eq!(evaluate(&abs, None, Some(f64::NAN)).1, RuleStatus::Missing);
+    let lt = Rule::parse("ttft_p95_ms < 1.1 x baseline").unwrap();
+    assert_eq!(evaluate(&lt, Some(100.0), Some(111.0)).1, RuleStatus::Fail);
+    assert_eq!(evaluate(&lt, Some(100.0), Some(109.0)).1, RuleStatus::Pass);
+}
+
+#[test]
+fn a_better_candidate_passes_per_bucket() {
+    let a = profile("f16", 4, 100.0, 0.0, 1.0);
+    let b = profile("q8_0", 5, 98.0, 0.001, 0.99);
+    let r = gate(&a, &b, &GateRules::default_rules());
+    assert!(r.comparable, "{:?}", r.unusable_reasons);
+    assert_eq!(r.verdict, Verdict::Pass);
+    // 2 bucket rules x 2 buckets + 2 quality rules.
+    assert_eq!(r.rules.len(), 6);
+    let d = r
+        .rules
+        .iter()
+        .find(|x| x.rule.starts_with("decode") && x.bucket.as_deref() == Some("128x64"))
+        .unwrap();
+    // The probe at the safe concurrency is used, unscaled.
+    assert_eq!((d.baseline, d.candidate), (Some(100.0), Some(98.0)));
+    assert!((d.threshold.unwrap() - 95.0).abs() < 1e-9);
+    // Only precision differs, and it is expected.
+    assert!(
+        r.differences.iter().all(|d| d.kind == "expected"),
+        "{:?}",
+        r.differences
+    );
+    assert!(r.differences.iter().any(|d| d.field == "precision"));
+    let md = markdown(&r);
+    assert!(
+        md.contains("# Gate: PASS") && md.contains("## Bucket 64x32"),
+        "{md}"
+    );
+    assert_eq!(r.verdict.exit_code(), 0);
+}
+
+#[test]
+fn a_worse_candidate_fails_with_the_measured_values() {
+    let a = profile("f16", 4, 100.0, 0.0, 1.0);
+    let b = profile("q4_0", 3, 90.0, 0.05, 0.9);
+    let r = gate(&a, &b, &GateRules::default_rules());
+    assert_eq!(r.verdict, Verdict::Fail);
+    assert_eq!(r.verdict.exit_code(), 1);
+    let failed: Vec<_> = r
+        .rules
+        .iter()
+        .filter(|x| x.status != RuleStatus::Pass)
+        .collect();
+    assert_eq!(failed.len(), 6);
+    let kl = r.rules.iter().find(|x| x.rule.starts_with("kl")).unwrap();
+    assert_eq!((kl.candidate, kl.threshold), (Some(0.05), Some(0.02)));
+    assert!(markdown(&r).contains("**FAIL**"));
+    // No quality section on the candidate: the quality rules are failures, said as such.
+    let mut c = profile("q8_0", 5, 100.0, 0.0, 1.0);
+    c.quality = None;
+    let r = gate(&a, &c, &GateRules::default_rules());
+    assert_eq!(r.verdict, Verdict::Fail);
+    assert!(r.rules.iter().any(|x| x.status == RuleStatus::Missing));
+    assert!(markdown(&r).contains("not measured"));
+}
+
+#[test]
+fn incomparable_profiles_are_unusable_and_say_why() {
+    let a = profile("f16", 4, 100.0, 0.0, 1.0);
+    // Another model.
+    let mut b = profile("q8_0", 4, 100.0, 0.0, 1.0);
+    b.fingerprint = fp("q8_0", "AMD EPYC", "def");
+    let r = gate(&a, &b, &GateRules::default_rules());
+    assert_eq!(r.verdict, Verdict::Unusable);
+    assert_eq!(r.verdict.exit_code(), 2);
+    assert!(
+        r.unusable_reasons[0].contains("model.sha256"),
+        "{:?}",
+        r.unusable_reasons
+    );
+    // Another CPU: blocking, unless the rules allow it.
+    let mut c = profile("q8_0", 4, 100.0, 0.0, 1.0);
+    c.fingerprint = fp("q8_0", "Intel Xeon", "abc");
+    let r = gate(&a, &c, &GateRules::default_rules());
+    assert_eq!(r.verdict, Verdict::Unusable);
+    assert!(r.unusable_reasons[0].contains("node.host.cpu_model"));
+    let mut rules = GateRules::default_rules();
+    rules.allow_differences = vec!["node.host.cpu_model".into()];
+    let r = gate(&a, &c, &rules);
+    assert_eq!(r.verdict, Verdict::Pass);
+    assert!(r
+        .differences
+        .iter()
+        .any(|d| d.field == "node.host.cpu_model" && d.kind == "note"));
+    // Other buckets.
+    let mut d = profile("q8_0", 4, 100.0, 0.0, 1.0);
+    d.configs[0].buckets[1].input_tokens = 256;
+    let r = gate(&a, &d, &GateRules::default_rules());
+    assert_eq!(r.verdict, Verdict::Unusable);
+    assert!(
+        r.unusable_reasons[0].contains("buckets differ"),
+        "{:?}",
+        r.unusable_reasons
+    );
+    // A configuration that is not there.
+    let mut rules = GateRules::default_rules();
+    rules.candidate_config = Some("nope".into());
+    let r = gate(&a, &b, &rules);
+    assert!(r
+        .unusable_reasons
+        .iter()
+        .any(|u| u.contains("candidate: no configuration `nope`")));
+    // GPU model differs: blocking; a different card of the same model is a note.
+    let gpu = |name: &str, uuid: &str| {
+        let mut f = fp("f16", "AMD EPYC", "abc");
+        f["node"]["gpus"] = serde_json::json!([{"index": 0, "name": name, "uuid_hash": uuid}]);
+        f
+    };
+    let diffs = fingerprint_differences(&gpu("H100", "a"), &gpu("H200", "b"), &[]);
+    let kind = |f: &str| diffs.iter().find(|d| d.field == f).map(|d| d.kind.clone());
+    assert_eq!(kind("node.gpus.0.name").as_deref(), Some("blocking"));
+    assert_eq!(kind("node.gpus.0.uuid_hash").as_deref(), Some("note"));
+}
