@@ -33,6 +33,12 @@ pub enum Command {
     Report(ReportArgs),
     /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
     Probe(ProbeArgs),
+    /// Capacity plan: replicas a workload needs on a profile's node, per scenario and constraint.
+    Plan(crate::plan::PlanArgs),
+    /// Gate a candidate profile against a baseline (exit 0 pass, 1 fail, 2 unusable input).
+    Gate(crate::gate::GateArgs),
+    /// Perplexity, KL divergence and top-1 agreement of a precision against a reference.
+    Quality(crate::quality::QualityArgs),
 }
 
 #[derive(Args, Debug)]

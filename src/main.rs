@@ -2,7 +2,10 @@
 
 mod bench;
 mod cli;
+mod gate;
+mod plan;
 mod probe;
+mod quality;
 mod sweep;
 
 use anyhow::{Context, Result};
@@ -40,6 +43,9 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
+        Command::Plan(args) => plan::run(&args),
+        Command::Gate(args) => gate::run(&args),
+        Command::Quality(args) => quality::run(&args),
         Command::Report(args) => {
             let path = args.profile.display().to_string();
             let text = std::fs::read_to_string(&args.profile)

@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod load;
+pub mod quality;
 pub mod report;
 pub mod stats;
 pub mod sweep;

@@ -1,0 +1,106 @@
+//! `envelope plan` on the committed CPU quickstart profile and the example
+//! workloads (issue #6): the table carries the demand arithmetic, the
+//! supply read from the profile, and the replicas per scenario.
+
+use std::process::{Command, Output};
+
+const PROFILE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+);
+
+fn plan(workload: &str, extra: &[&str]) -> Output {
+    let w = format!(
+        "{}/bench-configs/workloads/{workload}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args(["plan", "--workload", &w, "--profile", PROFILE])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn plan_prints_every_intermediate_on_the_committed_profile() {
+    let r = plan("cpu-quickstart.toml", &[]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    for want in [
+        "on `q8_0-f32-continuous`",
+        "x1.750",
+        // chat: 30 runs/min x 1.5 calls x 1.05 retry = 47.25 requests/min, x 80 = 3,780 input tokens/min.
+        "model_requests_per_min                 req/min            47.250         61.812",
+        "3,780",
+        "1,890",
+        // Supply: 128x64 (safe 6) for chat, 64x32 (safe 13) for classify, KV from the limits.
+        "bucket (input x output)         tokens       128x64        64x32",
+        "safe_concurrency_per_replica    slots             6           13",
+        "kv_tokens_per_replica           tokens        1,310        1,310",
+        "in flight, Little's law (mean x mean)",
+        "peak-scenario slots (p95 x p95)",
+        "Scenario base",
+        "Scenario planned_peak",
+        "Scenario failover",
+        "Scenario recovery",
+        "=> 2 replicas; binding: concurrency_slots; next: kv_tokens",
+        "tok/s",
+    ] {
+        assert!(out.contains(want), "missing `{want}` in\n{out}");
+    }
+}
+
+#[test]
+fn plan_json_and_the_worked_example() {
+    let r = plan("worked-example.toml", &["--json"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    let d = &v["demand"];
+    let close = |x: &serde_json::Value, want: f64| {
+        let got = x.as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-9 * want, "{got} vs {want}");
+    };
+    close(&d[0]["model_requests_per_min"], 466.56);
+    close(&d[0]["input_tokens_per_min"], 3_359_232.0);
+    close(&d[0]["output_tokens_per_min"], 559_872.0);
+    close(&d[0]["in_flight_littles_law"], 18.0);
+    close(&d[0]["peak_scenario_slots"], 24.0);
+    close(&d[0]["provisioned_slots"], 42.0);
+    close(&d[1]["input_tokens_per_min"], 1_958_880.0);
+    close(&d[1]["output_tokens_per_min"], 307_824.0);
+    close(&d[2]["model_requests_per_min"], 444.96);
+    // 7,900-token prompts on a profile whose largest bucket is 256x32.
+    let warnings = v["warnings"].to_string();
+    assert!(warnings.contains("no bucket"), "{warnings}");
+    assert_eq!(v["scenarios"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn plan_errors_name_the_file_and_field() {
+    let dir = std::env::temp_dir().join(format!("envelope-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let w = dir.join("bad.toml");
+    std::fs::write(
+        &w,
+        "[[class]]\nname = \"a\"\nruns_per_min = 1\nmodel_calls_per_run = 1\nretry_amplification = 0.5\n\
+         input_tokens_p50 = 1\ninput_tokens_p95 = 1\noutput_tokens_p50 = 1\noutput_tokens_p95 = 1\n",
+    )
+    .unwrap();
+    let r = Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args([
+            "plan",
+            "--workload",
+            w.to_str().unwrap(),
+            "--profile",
+            PROFILE,
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(!r.status.success());
+    assert!(
+        err.contains("bad.toml") && err.contains("class[0].retry_amplification"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
