@@ -43,23 +43,32 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// Thousands separators for the integer part: 3,359,232.
+fn grouped(v: f64, decimals: usize) -> String {
+    let s = format!("{:.decimals$}", v.abs());
+    let (int, frac) = s.split_once('.').map_or((s.as_str(), ""), |(i, f)| (i, f));
+    let mut out = String::new();
+    for (i, c) in int.chars().enumerate() {
+        if i > 0 && (int.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if !frac.is_empty() {
+        out.push('.');
+        out.push_str(frac);
+    }
+    if v < 0.0 {
+        out.insert(0, '-');
+    }
+    out
+}
+
 fn f(v: f64) -> String {
     if v == v.trunc() && v.abs() < 1e15 {
-        // Whole numbers with thousands separators: 3,359,232.
-        let s = format!("{:.0}", v.abs());
-        let mut out = String::new();
-        for (i, c) in s.chars().enumerate() {
-            if i > 0 && (s.len() - i) % 3 == 0 {
-                out.push(',');
-            }
-            out.push(c);
-        }
-        if v < 0.0 {
-            out.insert(0, '-');
-        }
-        out
+        grouped(v, 0)
     } else if v.abs() >= 1000.0 {
-        format!("{v:.1}")
+        grouped(v, 1)
     } else if v.abs() >= 1.0 {
         format!("{v:.3}")
     } else {

@@ -102,6 +102,8 @@ pub struct ClassSupply {
     pub prefill_tok_per_s_per_replica: f64,
     pub decode_tok_per_s_per_replica: f64,
     pub output_tok_per_s_per_replica: f64,
+    /// Latency is not scaled: it is the probe's own, at this concurrency.
+    pub latency_probe_concurrency: u32,
     pub e2e_s_mean: f64,
     pub e2e_s_p95: f64,
     pub kv_tokens_per_replica: f64,
@@ -315,6 +317,7 @@ fn supply_for(
         prefill_tok_per_s_per_replica: probe.prefill_tok_per_s * scale,
         decode_tok_per_s_per_replica: probe.decode_tok_per_s * scale,
         output_tok_per_s_per_replica: probe.output_tok_per_s * scale,
+        latency_probe_concurrency: probe.concurrency,
         e2e_s_mean: probe.e2e_ms.mean / 1000.0,
         e2e_s_p95: probe.e2e_ms.p95 / 1000.0,
         kv_tokens_per_replica: kv,
@@ -354,8 +357,8 @@ pub fn class_demand(
             m.unwrap_or(s.e2e_s_mean),
             p.unwrap_or(s.e2e_s_p95),
             format!(
-                "profile e2e ({}) where the workload gives none",
-                s.supply_probe
+                "the profile's e2e at concurrency {} (the workload gives none)",
+                s.latency_probe_concurrency
             ),
         ),
         (m, p, None) => (m.unwrap_or(0.0), p.unwrap_or(0.0), "none".into()),
