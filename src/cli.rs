@@ -39,6 +39,8 @@ pub enum Command {
     Gate(crate::gate::GateArgs),
     /// Perplexity, KL divergence and top-1 agreement of a precision against a reference.
     Quality(crate::quality::QualityArgs),
+    /// Govern an OpenAI-compatible server: admit only what a profile's limits allow.
+    Govern(crate::govern::GovernArgs),
 }
 
 #[derive(Args, Debug)]

@@ -3,6 +3,7 @@
 mod bench;
 mod cli;
 mod gate;
+mod govern;
 mod plan;
 mod probe;
 mod quality;
@@ -43,6 +44,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
+        Command::Govern(args) => govern::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Gate(args) => gate::run(&args),
         Command::Quality(args) => quality::run(&args),

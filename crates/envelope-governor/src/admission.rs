@@ -281,7 +281,7 @@ impl Governor {
         let s = self.settings();
         let now = Instant::now();
         let now_ms = self.now_ms();
-        let (id, rx, wait_until) = {
+        let (id, rx, wait_until, wakes) = {
             let mut g = self.lock();
             if g.ladder.level() == Level::RejectNew {
                 let backlog = g.queue.queued_tokens() + ask.demand.kv_tokens;
@@ -340,8 +340,11 @@ impl Governor {
                 .push(&ask.tenant, ask.class, wait_until, now, ask.demand, tx)
             {
                 Ok(id) => {
+                    // The head may be blocked only by its own tenant's
+                    // ceiling; this one may fit now.
+                    let w = self.pump(&mut g);
                     self.publish(&g);
-                    (id, rx, wait_until)
+                    (id, rx, wait_until, w)
                 }
                 Err((why, _)) => {
                     let ra = g.drain.retry_after_s(now_ms, excess, cap_kv);
@@ -353,6 +356,7 @@ impl Governor {
                 }
             }
         };
+        Self::wake(wakes);
         let mut ticket = Ticket {
             gov: self,
             id,

@@ -29,6 +29,8 @@ pub use ladder::{LadderConfig, Level, Reading};
 pub use ledger::{Demand, Share};
 pub use proxy::{app, serve, AppState, ReloadHook};
 pub use queue::Class;
+/// Re-exported for the CLI's start-up checks.
+pub use reqwest;
 pub use settings::{OverLimit, Settings, TenantsFile};
 pub use tokens::{CountSource, TokenCounter};
 /// Re-exported so the CLI can read its TOML config without its own dependency.

@@ -1,0 +1,203 @@
+//! The live guard's ladder against the fake's /metrics, tenants' shares,
+//! the estimate label, /metrics and the admin endpoints, and reload.
+
+mod common;
+
+use common::*;
+use envelope_governor::{live, Level, TenantsFile, TokenCounter};
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn live_guard_ladder_from_upstream_metrics() {
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.ladder.recover_readings = 2;
+    })
+    .await;
+    let _task = live::spawn_guard(
+        g.gov.clone(),
+        format!("{}/metrics", g.upstream),
+        Duration::from_millis(50),
+    );
+    // Healthy: a request gets the full output cap.
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "100");
+    // KV pressure: tighter caps (SMALL_CONTEXT halves them).
+    g.fake.kv_usage_milli.store(930, Ordering::SeqCst);
+    g.wait_state(|s| s["ladder"]["level"] == "small_context")
+        .await;
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "50");
+    // Near full: new requests refused with 429 and Retry-After.
+    g.fake.kv_usage_milli.store(990, Ordering::SeqCst);
+    let st = g.wait_state(|s| s["ladder"]["level"] == "reject_new").await;
+    assert_eq!(st["ladder"]["cause"], "kv_usage");
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-envelope-reason"], "guard_reject_new");
+    let ra: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&ra));
+    let m = g.metrics().await;
+    assert_eq!(sample(&m, "envelope_governor_ladder_state"), Some(2.0));
+    // Recovery, one step at a time.
+    g.fake.kv_usage_milli.store(100, Ordering::SeqCst);
+    g.wait_state(|s| s["ladder"]["level"] == "normal").await;
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_metrics_count_as_unhealthy() {
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.ladder.stale_ms = 100;
+        s.ladder.reject_stale_ms = 400;
+    })
+    .await;
+    let _task = live::spawn_guard(
+        g.gov.clone(),
+        "http://127.0.0.1:9/metrics".into(),
+        Duration::from_millis(50),
+    );
+    let st = g.wait_state(|s| s["ladder"]["level"] == "reject_new").await;
+    assert_eq!(st["ladder"]["level"], "reject_new", "{st}");
+    assert_eq!(g.gov.level(), Level::RejectNew);
+    let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+    assert_eq!(r.status(), 429);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn a_tenant_at_its_ceiling_does_not_block_another() {
+    let tenants = TenantsFile::from_toml(
+        r#"
+        [tenants.hog]
+        burst = 0.5
+        api_keys = ["sk-hog"]
+        [tenants.calm]
+        guaranteed = 0.5
+        "#,
+        "t.toml",
+    )
+    .unwrap();
+    // 4 sequences; hog may use 2.
+    let g = start(limits(1000, 10, 4, 4000), move |s| s.tenants = tenants).await;
+    g.fake.delay_per_token_ms.store(30, Ordering::SeqCst);
+    let mut hogs = vec![];
+    for _ in 0..4 {
+        let c = g.client.clone();
+        let url = g.url("/v1/completions");
+        hogs.push(tokio::spawn(async move {
+            c.post(url)
+                .bearer_auth("sk-hog")
+                .json(&json!({"prompt": "a", "max_tokens": 10}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }));
+    }
+    let st = g.wait_state(|s| s["queue"]["requests"] == 2).await;
+    assert_eq!(st["in_flight"]["sequences"], 2, "{st}");
+    // calm (by header) gets in at once although hog's requests are queued ahead.
+    let r = g
+        .client
+        .post(g.url("/v1/completions"))
+        .header("x-envelope-tenant", "calm")
+        .json(&json!({"prompt": "b", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-queue-ms"], "0");
+    for h in hogs {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    assert!(g.fake.max_seqs_in_flight.load(Ordering::SeqCst) <= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn estimate_is_labelled_in_headers_and_metrics() {
+    let (fake, upstream) = fake_upstream().await;
+    let g = start_with(
+        fake,
+        upstream,
+        limits(1000, 10, 4, 4000),
+        |_| {},
+        Some(TokenCounter::Estimate {
+            bytes_per_token: 3.0,
+        }),
+    )
+    .await;
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "abcdefg", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.headers()["x-envelope-token-count"], "estimate");
+    assert_eq!(r.headers()["x-envelope-prompt-tokens"], "3");
+    let m = g.metrics().await;
+    assert!(
+        m.contains("envelope_governor_token_counts_total{source=\"estimate\"} 1"),
+        "{m}"
+    );
+    assert!(
+        m.contains("envelope_governor_profile{profile_id=\"test-profile\"} 1"),
+        "{m}"
+    );
+    for name in [
+        "envelope_governor_in_flight_sequences",
+        "envelope_governor_queued_requests",
+        "envelope_governor_queued_tokens",
+        "envelope_governor_reserved_kv_tokens",
+        "envelope_governor_kv_headroom_tokens",
+        "envelope_governor_ladder_state",
+        "envelope_governor_added_latency_seconds_count",
+    ] {
+        assert!(sample(&m, name).is_some(), "{name} missing:\n{m}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admin_needs_loopback_or_token_and_reload_swaps_limits() {
+    let g = start(limits(1000, 10, 4, 4000), |s| {
+        s.admin_token = Some("sesame".into())
+    })
+    .await;
+    // Loopback (the test client) may read the state.
+    let st: Value = g.state().await;
+    assert_eq!(st["limits"]["max_output_tokens"], 10);
+    // In process without a peer address (no loopback proof), only the token works.
+    let state = std::sync::Arc::new(envelope_governor::AppState::new(
+        g.gov.clone(),
+        &g.upstream,
+        TokenCounter::Estimate {
+            bytes_per_token: 3.0,
+        },
+    ));
+    use tower::ServiceExt;
+    let app = envelope_governor::app(state.clone());
+    let req = axum::http::Request::get("/admin/state")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(app.clone().oneshot(req).await.unwrap().status(), 403);
+    let req = axum::http::Request::get("/admin/state")
+        .header("x-envelope-admin-token", "sesame")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(app.oneshot(req).await.unwrap().status(), 200);
+    // Reload: valid settings apply, invalid ones are refused and the old stay.
+    let mut s = g.gov.settings().as_ref().clone();
+    s.limits.max_output_tokens = 7;
+    g.gov.reload(s).unwrap();
+    let r = g.post("/v1/completions", json!({"prompt": "x"})).await;
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "7");
+    let mut bad = g.gov.settings().as_ref().clone();
+    bad.limits.max_concurrent_seqs = 0;
+    assert!(g.gov.reload(bad).is_err());
+    assert_eq!(g.gov.limits().max_concurrent_seqs, 4);
+}
