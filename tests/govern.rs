@@ -1,0 +1,335 @@
+//! `envelope govern` in front of a real `envelope serve` (dummy:tiny, a
+//! small KV pool): the overload demonstration (issue #5) — driven directly
+//! at 4x the profile's safe concurrency the server preempts; through the
+//! governor it does not, and the excess gets 429 with Retry-After — plus
+//! context-length refusals, hot reload and drain on SIGTERM.
+
+mod common;
+
+use common::Server;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// 512 KiB of f32 KV for dummy:tiny (512 bytes/token) = 1024 tokens = 64 blocks.
+const KV_POOL: &str = "512KiB";
+const PROMPT_WORDS: usize = 8; // "hello " x 8 = 48 byte tokens
+const MAX_TOKENS: u64 = 192; // 48 + 192 = 240 tokens = 15 blocks per sequence
+const SAFE_CONCURRENCY: u64 = 4; // 4 x 15 = 60 blocks of 64
+
+fn profile_json(seqs: u64, kv_tokens: u64, output: u64) -> Value {
+    json!({
+        "schema": "envelope.profile/v1",
+        "created_unix_ms": 1,
+        "fingerprint": {"schema": 1, "model": {"kind": "dummy", "preset": "tiny", "seed": 0},
+                        "node": {"gpus": []}},
+        "slo": {"ttft_p95_ms": null, "itl_p95_ms": null, "e2e_p99_ms": null},
+        "configs": [],
+        "selected": "dummy-tiny-512KiB",
+        "limits": {"max_context_tokens": 1024, "max_output_tokens": output,
+                   "max_concurrent_seqs": seqs, "max_kv_tokens_in_flight": kv_tokens},
+        "probes_total": 0
+    })
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("envelope-govern-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+struct Governor {
+    child: Child,
+    base: String,
+}
+
+impl Governor {
+    fn start(profile: &Path, upstream: &str, extra: &[&str]) -> Governor {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .arg("govern")
+            .args([
+                "--profile",
+                profile.to_str().unwrap(),
+                "--upstream",
+                upstream,
+            ])
+            .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
+            .args(extra)
+            .env("ENVELOPE_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("envelope govern runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("envelope govern listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("governor started within 60 s");
+        Governor { child, base }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+}
+
+impl Drop for Governor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn body(prompt_words: usize, max_tokens: u64) -> Value {
+    json!({"model": "dummy:tiny", "prompt": "hello ".repeat(prompt_words), "max_tokens": max_tokens,
+           "temperature": 0, "ignore_eos": true})
+}
+
+/// `n` concurrent completions against `base`; returns (status, retry-after, completion tokens).
+async fn burst(
+    base: &str,
+    n: usize,
+    prompt_words: usize,
+    max_tokens: u64,
+) -> Vec<(u16, Option<u64>, u64)> {
+    let client = reqwest::Client::new();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let c = client.clone();
+            let url = format!("{base}/v1/completions");
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .json(&body(prompt_words, max_tokens))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let ra = r
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok()?.parse().ok());
+                let v: Value = r.json().await.unwrap_or(Value::Null);
+                (
+                    status,
+                    ra,
+                    v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+                )
+            })
+        })
+        .collect();
+    let mut out = vec![];
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn overload_direct_preempts_governed_does_not() {
+    let server = Server::start(&[
+        "--model",
+        "dummy:tiny",
+        "--kv-cache-bytes",
+        KV_POOL,
+        "--max-num-seqs",
+        "64",
+    ]);
+    let n = (4 * SAFE_CONCURRENCY) as usize;
+
+    // Directly: 4x the safe concurrency overcommits the KV pool.
+    let before = server.metric("envelope:num_preemptions_total").await;
+    let direct = burst(&server.base, n, PROMPT_WORDS, MAX_TOKENS).await;
+    let direct_preemptions = server.metric("envelope:num_preemptions_total").await - before;
+    assert!(direct.iter().all(|r| r.0 == 200), "{direct:?}");
+    assert!(
+        direct_preemptions > 0.0,
+        "the server never preempted; the demonstration needs a smaller pool"
+    );
+
+    // Through the governor: at most 4 in flight, 4 waiting, the rest refused.
+    let dir = temp_dir("overload");
+    let profile = dir.join("profile.json");
+    let per_seq = PROMPT_WORDS as u64 * 6 + MAX_TOKENS;
+    std::fs::write(
+        &profile,
+        profile_json(SAFE_CONCURRENCY, SAFE_CONCURRENCY * per_seq, 256).to_string(),
+    )
+    .unwrap();
+    let gov = Governor::start(
+        &profile,
+        &server.base,
+        &["--max-queue-len", "4", "--guard-interval-ms", "200"],
+    );
+    let before = server.metric("envelope:num_preemptions_total").await;
+    let governed = burst(&gov.base, n, PROMPT_WORDS, MAX_TOKENS).await;
+    let governed_preemptions = server.metric("envelope:num_preemptions_total").await - before;
+    let ok: Vec<_> = governed.iter().filter(|r| r.0 == 200).collect();
+    let refused: Vec<_> = governed.iter().filter(|r| r.0 == 429).collect();
+    assert_eq!(ok.len() + refused.len(), n, "{governed:?}");
+    assert!(ok.len() >= SAFE_CONCURRENCY as usize, "{governed:?}");
+    assert!(!refused.is_empty(), "{governed:?}");
+    for r in &refused {
+        let ra = r.1.expect("429 carries Retry-After");
+        assert!((1..=60).contains(&ra), "{ra}");
+    }
+    for r in &ok {
+        assert_eq!(r.2, MAX_TOKENS, "admitted requests run to completion");
+    }
+    assert_eq!(
+        governed_preemptions, 0.0,
+        "the governor let the server preempt"
+    );
+    eprintln!(
+        "direct: {n} requests, {direct_preemptions} preemptions; governed: {} ok, {} x 429, 0 preemptions",
+        ok.len(),
+        refused.len()
+    );
+    let m = reqwest::get(gov.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("envelope_governor_rejections_total{reason=\"queue_full\"}"),
+        "{m}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn context_caps_reload_and_drain() {
+    let server = Server::start(&["--model", "dummy:tiny", "--kv-cache-bytes", KV_POOL]);
+    let dir = temp_dir("reload");
+    let profile = dir.join("profile.json");
+    std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
+    let gov = Governor::start(&profile, &server.base, &["--guard-interval-ms", "200"]);
+    let c = reqwest::Client::new();
+
+    // Counted with the server's /tokenize: 1000 byte tokens + 64 > 1024.
+    let r = c
+        .post(gov.url("/v1/completions"))
+        .json(&body(1000 / 6 + 1, 64))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert_eq!(v["error"]["param"], "prompt");
+    // Missing max_tokens is injected from the profile.
+    let r = c
+        .post(gov.url("/v1/chat/completions"))
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}], "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "64");
+    assert_eq!(r.headers()["x-envelope-token-count"], "upstream_tokenize");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 64);
+    // /v1/models passes through.
+    let v: Value = c
+        .get(gov.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["data"][0]["id"], "dummy:tiny");
+
+    // Hot reload on SIGHUP: a new output cap applies...
+    std::fs::write(&profile, profile_json(4, 1000, 32).to_string()).unwrap();
+    gov.signal("-HUP");
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut applied = String::new();
+    while Instant::now() < end {
+        let r = c
+            .post(gov.url("/v1/completions"))
+            .json(&json!({"prompt": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        applied = r.headers()["x-envelope-max-tokens"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        if applied == "32" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(applied, "32");
+    // ...and an invalid profile is rejected, the last good one stays.
+    std::fs::write(&profile, "{\"schema\": \"nonsense\"}").unwrap();
+    gov.signal("-HUP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = c
+        .post(gov.url("/v1/completions"))
+        .json(&json!({"prompt": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "32");
+    let m = c
+        .get(gov.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("envelope_governor_profile_reloads_total{outcome=\"rejected\"}"),
+        "{m}"
+    );
+
+    // Drain on SIGTERM: a stream in flight finishes, then the governor exits.
+    let mut req = body(4, 32);
+    req["stream"] = json!(true);
+    let r = c
+        .post(gov.url("/v1/completions"))
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut r = r;
+    let mut text = String::from_utf8(r.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+    gov.signal("-TERM");
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let mut gov = gov;
+    let end = Instant::now() + Duration::from_secs(30);
+    while gov.child.try_wait().unwrap().is_none() && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        gov.child.try_wait().unwrap().is_some(),
+        "the governor exited after draining"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
