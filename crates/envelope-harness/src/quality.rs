@@ -343,4 +343,41 @@ mod tests {
         assert_eq!(alone.kl_divergence_mean, None);
         assert!((alone.perplexity - same.perplexity).abs() < 1e-9);
     }
+
+    /// The real model on the bundled text (one 128-token window, seconds):
+    /// q8_0 stays close to f32, q4_0 drifts further, figures are sane.
+    #[test]
+    fn smollm2_q8_0_is_closer_to_f32_than_q4_0() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+        let model = std::env::var("ENVELOPE_TEST_MODEL")
+            .unwrap_or_else(|_| format!("{root}/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+        assert!(
+            std::path::Path::new(&model).exists(),
+            "{model} is missing: run scripts/fetch-model.sh first"
+        );
+        let text = std::fs::read_to_string(format!(
+            "{root}/bench-configs/quality/founding-documents.txt"
+        ))
+        .unwrap();
+        let opts = QualityOptions {
+            window_tokens: 128,
+            max_windows: Some(1),
+            ..Default::default()
+        };
+        let run = |p| measure(&model, None, p, Some(Precision::F32), "t", &text, &opts).unwrap();
+        let (q8, q4) = (run(Precision::Q8_0), run(Precision::Q4_0));
+        assert_eq!(q8.tokens_scored, 127);
+        for q in [&q8, &q4] {
+            assert!(q.perplexity > 1.5 && q.perplexity < 200.0, "{q:?}");
+            assert!(q.reference_perplexity.unwrap() > 1.5, "{q:?}");
+        }
+        let (k8, k4) = (
+            q8.kl_divergence_mean.unwrap(),
+            q4.kl_divergence_mean.unwrap(),
+        );
+        assert!(k8 > 0.0 && k8 < 0.05, "{q8:?}");
+        assert!(k4 > k8, "q4_0 {k4} vs q8_0 {k8}");
+        assert!(q8.top1_agreement.unwrap() > 0.85, "{q8:?}");
+        assert!(q4.top1_agreement.unwrap() <= q8.top1_agreement.unwrap() + 0.05);
+    }
 }
