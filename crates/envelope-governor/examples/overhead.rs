@@ -1,0 +1,194 @@
+//! Governor overhead: open-loop load (requests scheduled at a fixed rate,
+//! latency measured from the scheduled send time, so a stalled client
+//! cannot hide queueing) against a fast loopback upstream, directly and
+//! through the governor, at each rate. Prints added latency p50/p99 and
+//! the throughput ratio governed/direct, with units and the machine.
+//!
+//! `cargo run --release -p envelope-governor --example overhead -- [SECONDS] [RATE...]`
+//! (scripts/govern-overhead.sh runs it). Upstream, governor and load
+//! generator each get their own runtime thread(s) in this process.
+
+use axum::routing::post;
+use axum::{Json, Router};
+use envelope_governor::{AppState, Governor, Settings, TokenCounter};
+use envelope_profile::Limits;
+use hdrhistogram::Histogram;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+fn runtime(threads: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn completion(Json(v): Json<Value>) -> Json<Value> {
+    let n = v["max_tokens"].as_u64().unwrap_or(1);
+    Json(
+        json!({"id": "cmpl", "object": "text_completion", "model": "fast",
+        "choices": [{"index": 0, "text": "x".repeat(n as usize), "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n}}),
+    )
+}
+
+struct Run {
+    sent: u64,
+    ok: u64,
+    wall_s: f64,
+    hist: Histogram<u64>,
+}
+
+async fn open_loop(url: String, rate: f64, secs: f64) -> Run {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(4096)
+        .tcp_nodelay(true)
+        .build()
+        .unwrap();
+    let hist = Arc::new(Mutex::new(Histogram::<u64>::new(3).unwrap()));
+    let ok = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let total = (rate * secs) as u64;
+    let body = json!({"model": "fast", "prompt": "The quick brown fox jumps", "max_tokens": 16});
+    let start = Instant::now() + Duration::from_millis(50);
+    let mut tasks = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        let at = start + Duration::from_secs_f64(i as f64 / rate);
+        tokio::time::sleep_until(at.into()).await;
+        let (c, u, b, h, ok) = (
+            client.clone(),
+            url.clone(),
+            body.clone(),
+            hist.clone(),
+            ok.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let r = c.post(&u).json(&b).send().await;
+            if let Ok(r) = r {
+                if r.status().is_success() && r.bytes().await.is_ok() {
+                    let us = at.elapsed().as_micros() as u64;
+                    h.lock().unwrap().record(us.max(1)).unwrap();
+                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let wall_s = start.elapsed().as_secs_f64();
+    let hist = hist.lock().unwrap().clone();
+    Run {
+        sent: total,
+        ok: ok.load(std::sync::atomic::Ordering::Relaxed),
+        wall_s,
+        hist,
+    }
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let secs: f64 = args.first().and_then(|s| s.parse().ok()).unwrap_or(5.0);
+    let rates: Vec<f64> = if args.len() > 1 {
+        args[1..].iter().filter_map(|s| s.parse().ok()).collect()
+    } else {
+        vec![500.0, 2000.0]
+    };
+
+    // The fast upstream.
+    let up_rt = runtime(1);
+    let upstream = up_rt.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let app = Router::new().route("/v1/completions", post(completion));
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        format!("http://{addr}")
+    });
+    // The governor, with limits that never bind (overhead only), counting
+    // tokens by the labelled estimate (no extra round trip).
+    let gov_rt = runtime(1);
+    let governed = gov_rt.block_on(async {
+        let limits = Limits {
+            max_context_tokens: 4096,
+            max_output_tokens: 1024,
+            max_concurrent_seqs: 100_000,
+            max_kv_tokens_in_flight: 100_000_000,
+        };
+        let mut s = Settings::new(limits, "overhead");
+        s.max_queue_len = 100_000;
+        let gov = Governor::new(s);
+        let state = Arc::new(AppState::new(
+            gov,
+            &upstream,
+            TokenCounter::Estimate {
+                bytes_per_token: 3.0,
+            },
+        ));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(envelope_governor::serve(l, state, std::future::pending()));
+        format!("http://{addr}")
+    });
+    let client_rt = runtime(2);
+    let cpu = envelope_telemetry::host::cpu_model().unwrap_or_else(|| "unknown CPU".into());
+    let cores = envelope_telemetry::host::logical_cores();
+    println!("machine: {cpu}, {cores} logical cores; {secs} s per run, open loop, loopback, non-streaming completions (16 tokens)");
+    println!(
+        "{:>10} | {:>8} | {:>7} | {:>7} | {:>12} | {:>8} | {:>8} | {:>8}",
+        "rate req/s", "path", "sent", "ok", "thrpt req/s", "p50 ms", "p99 ms", "max ms"
+    );
+    let mut summary = vec![];
+    for &rate in &rates {
+        // Warm the connection pools.
+        client_rt.block_on(open_loop(
+            format!("{upstream}/v1/completions"),
+            rate.min(200.0),
+            0.5,
+        ));
+        client_rt.block_on(open_loop(
+            format!("{governed}/v1/completions"),
+            rate.min(200.0),
+            0.5,
+        ));
+        let mut results = vec![];
+        for (name, base) in [("direct", &upstream), ("governed", &governed)] {
+            let r = client_rt.block_on(open_loop(format!("{base}/v1/completions"), rate, secs));
+            let thr = r.ok as f64 / r.wall_s;
+            println!(
+                "{:>10.0} | {:>8} | {:>7} | {:>7} | {:>12.1} | {:>8.3} | {:>8.3} | {:>8.3}",
+                rate,
+                name,
+                r.sent,
+                r.ok,
+                thr,
+                ms(r.hist.value_at_quantile(0.5)),
+                ms(r.hist.value_at_quantile(0.99)),
+                ms(r.hist.max())
+            );
+            results.push((r, thr));
+        }
+        let (d, g) = (&results[0], &results[1]);
+        summary.push((
+            rate,
+            ms(g.0.hist.value_at_quantile(0.5)) - ms(d.0.hist.value_at_quantile(0.5)),
+            ms(g.0.hist.value_at_quantile(0.99)) - ms(d.0.hist.value_at_quantile(0.99)),
+            g.1 / d.1,
+        ));
+    }
+    println!();
+    println!(
+        "{:>10} | {:>16} | {:>16} | {:>24}",
+        "rate req/s", "added p50 ms", "added p99 ms", "throughput governed/direct"
+    );
+    for (rate, p50, p99, ratio) in summary {
+        println!("{rate:>10.0} | {p50:>16.3} | {p99:>16.3} | {ratio:>24.3}");
+    }
+    drop(client_rt);
+    drop(gov_rt);
+    drop(up_rt);
+}
