@@ -38,6 +38,10 @@ pub struct Governor {
     idle: Notify,
     epoch: Instant,
     last_upstream_kv_milli: AtomicU64,
+    upstream_errors: AtomicU64,
+    upstream_errors_seen: AtomicU64,
+    /// Arrival to upstream send, microseconds (HDR: exact percentiles for /admin/state).
+    added_latency_us: Mutex<hdrhistogram::Histogram<u64>>,
 }
 
 /// What a request asks the governor for.
@@ -122,6 +126,11 @@ impl Governor {
             idle: Notify::new(),
             epoch: Instant::now(),
             last_upstream_kv_milli: AtomicU64::new(0),
+            upstream_errors: AtomicU64::new(0),
+            upstream_errors_seen: AtomicU64::new(0),
+            added_latency_us: Mutex::new(
+                hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
+            ),
         });
         gov.set_profile_label();
         {
@@ -407,8 +416,11 @@ impl Governor {
             self.last_upstream_kv_milli
                 .store((kv * 1000.0) as u64, Ordering::Relaxed);
         }
+        let errors = self.upstream_errors.load(Ordering::Relaxed);
+        let seen = self.upstream_errors_seen.swap(errors, Ordering::Relaxed);
         let r = Reading {
             now_ms: self.now_ms(),
+            upstream_errors: errors.saturating_sub(seen),
             ..r
         };
         let (before, after, wakes) = {
@@ -449,6 +461,22 @@ impl Governor {
         Ok(())
     }
 
+    /// The proxy saw the upstream fail (the live guard counts these).
+    pub fn note_upstream_error(&self) {
+        self.upstream_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the time from arrival to the upstream send.
+    pub fn note_added_latency(&self, d: Duration) {
+        self.metrics.added_latency.observe(d.as_secs_f64());
+        let us = (d.as_micros() as u64).max(1);
+        let mut h = self
+            .added_latency_us
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let _ = h.record(us.min(600_000_000));
+    }
+
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
         self.metrics.draining.set(1);
@@ -483,6 +511,14 @@ impl Governor {
         let now_ms = self.now_ms();
         let used = g.ledger.used();
         let cap = g.ledger.capacity();
+        let added = {
+            let h = self
+                .added_latency_us
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            json!({"count": h.len(), "p50": h.value_at_quantile(0.5),
+                   "p99": h.value_at_quantile(0.99), "max": h.max()})
+        };
         json!({
             "profile_id": s.profile_id,
             "draining": self.is_draining(),
@@ -495,6 +531,7 @@ impl Governor {
                       "oldest_age_ms": g.queue.oldest_age_ms(Instant::now())},
             "drain_rate_tokens_per_s": g.drain.rate_tokens_per_s(now_ms),
             "service_ms": g.drain.service_ms(),
+            "added_latency_us": added,
         })
     }
 }

@@ -46,6 +46,9 @@ pub struct LadderConfig {
     pub min_gpu_free_bytes: Option<u64>,
     /// Caps (context, output, KV budget) are multiplied by this in SMALL_CONTEXT.
     pub small_context_factor: f64,
+    /// Upstream failures (unreachable, timeouts, broken streams) since the
+    /// previous reading at which caps tighten.
+    pub upstream_error_burst: u64,
 }
 
 impl Default for LadderConfig {
@@ -59,6 +62,7 @@ impl Default for LadderConfig {
             reject_stale_ms: 30_000,
             min_gpu_free_bytes: None,
             small_context_factor: 0.5,
+            upstream_error_burst: 3,
         }
     }
 }
@@ -72,6 +76,8 @@ pub struct Reading {
     pub kv_usage: Option<f64>,
     pub preemptions_total: Option<f64>,
     pub gpu_free_bytes: Option<u64>,
+    /// Upstream failures the proxy saw since the previous reading.
+    pub upstream_errors: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +138,9 @@ impl Ladder {
         }
         if preempted {
             see(Level::SmallContext, "preemptions");
+        }
+        if r.upstream_errors >= self.cfg.upstream_error_burst.max(1) {
+            see(Level::SmallContext, "upstream_errors");
         }
         if let (Some(free), Some(min)) = (r.gpu_free_bytes, self.cfg.min_gpu_free_bytes) {
             let min = (min as f64 * (1.0 + margin)) as u64;
@@ -195,6 +204,7 @@ mod tests {
             kv_usage: Some(kv),
             preemptions_total: Some(0.0),
             gpu_free_bytes: None,
+            upstream_errors: 0,
         }
     }
 
@@ -289,6 +299,23 @@ mod tests {
         }
         r.gpu_free_bytes = Some(5000);
         for t in 6..12 {
+            r.now_ms = t;
+            l.observe(r);
+        }
+        assert_eq!(l.level(), Level::Normal);
+    }
+
+    #[test]
+    fn bursts_of_upstream_errors_tighten_caps() {
+        let mut l = ladder();
+        let mut r = ok(0, 0.1);
+        r.upstream_errors = 2;
+        assert_eq!(l.observe(r), Level::Normal);
+        r.upstream_errors = 3;
+        assert_eq!(l.observe(r), Level::SmallContext);
+        assert_eq!(l.cause, "upstream_errors");
+        r.upstream_errors = 0;
+        for t in 1..4 {
             r.now_ms = t;
             l.observe(r);
         }

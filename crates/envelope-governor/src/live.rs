@@ -23,6 +23,7 @@ pub fn reading(
             kv_usage: s.kv_usage,
             preemptions_total: s.preemptions_total,
             gpu_free_bytes,
+            upstream_errors: 0,
         },
         Err(_) => Reading {
             now_ms: 0,
@@ -30,6 +31,7 @@ pub fn reading(
             kv_usage: None,
             preemptions_total: None,
             gpu_free_bytes,
+            upstream_errors: 0,
         },
     }
 }

@@ -186,6 +186,7 @@ fn upstream_error(s: &AppState, message: String, timeout: bool) -> Response {
         .upstream_errors
         .get_or_create(&label("kind", e.reason()))
         .inc();
+    s.gov.note_upstream_error();
     tracing::warn!(reason = e.reason(), "{e}");
     e.into_response()
 }
@@ -377,10 +378,7 @@ async fn handle(
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     let url = format!("{}{path}", s.upstream);
     let timeout = Duration::from_millis(settings.upstream_timeout_ms);
-    s.gov
-        .metrics
-        .added_latency
-        .observe(arrived.elapsed().as_secs_f64());
+    s.gov.note_added_latency(arrived.elapsed());
     let sent_at = Instant::now();
     let send = s.client.post(&url).headers(headers).body(body).send();
     let resp = match tokio::time::timeout(timeout, send).await {
@@ -537,6 +535,7 @@ fn stream_back(
             .upstream_errors
             .get_or_create(&label("kind", failure.0))
             .inc();
+        f.gov.note_upstream_error();
         tracing::warn!(
             kind = failure.0,
             "upstream failed mid-response: {}",

@@ -177,6 +177,26 @@ async fn upstream_down_is_502_and_releases() {
     let st = g.state().await;
     assert_eq!(st["in_flight"]["requests"], 0, "{st}");
     assert_eq!(st["in_flight"]["kv_tokens"], 0, "{st}");
+    // A burst of upstream failures tightens the caps at the next reading.
+    for _ in 0..2 {
+        let r = g
+            .post(
+                "/v1/completions",
+                json!({"prompt": [1, 2, 3], "max_tokens": 5}),
+            )
+            .await;
+        assert_eq!(r.status(), 502);
+    }
+    let healthy = envelope_governor::Reading {
+        ok: true,
+        kv_usage: Some(0.1),
+        ..Default::default()
+    };
+    assert_eq!(
+        g.gov.observe(healthy),
+        envelope_governor::Level::SmallContext
+    );
+    assert_eq!(g.state().await["ladder"]["cause"], "upstream_errors");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
