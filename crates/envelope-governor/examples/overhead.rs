@@ -5,6 +5,7 @@
 //! the throughput ratio governed/direct, with units and the machine.
 //!
 //! `cargo run --release -p envelope-governor --example overhead -- [SECONDS] [RATE...]`
+//! (`ENVELOPE_OVERHEAD_REPS`, default 3, alternating runs per path; medians reported)
 //! (scripts/govern-overhead.sh runs it). Upstream, governor and load
 //! generator each get their own runtime thread(s) in this process.
 
@@ -94,6 +95,11 @@ fn ms(us: u64) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let secs: f64 = args.first().and_then(|s| s.parse().ok()).unwrap_or(5.0);
+    let reps: usize = std::env::var("ENVELOPE_OVERHEAD_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
     let rates: Vec<f64> = if args.len() > 1 {
         args[1..].iter().filter_map(|s| s.parse().ok()).collect()
     } else {
@@ -155,38 +161,67 @@ fn main() {
             rate.min(200.0),
             0.5,
         ));
-        let mut results = vec![];
-        for (name, base) in [("direct", &upstream), ("governed", &governed)] {
-            let r = client_rt.block_on(open_loop(format!("{base}/v1/completions"), rate, secs));
-            let thr = r.ok as f64 / r.wall_s;
-            println!(
-                "{:>10.0} | {:>8} | {:>7} | {:>7} | {:>12.1} | {:>8.3} | {:>8.3} | {:>8.3}",
-                rate,
-                name,
-                r.sent,
-                r.ok,
-                thr,
-                ms(r.hist.value_at_quantile(0.5)),
-                ms(r.hist.value_at_quantile(0.99)),
-                ms(r.hist.max())
-            );
-            results.push((r, thr));
+        // Alternate the order over `reps` repetitions; report medians, so
+        // one noisy run (other processes, timer jitter) does not decide.
+        let mut per_path: [Vec<(f64, f64, f64)>; 2] = [vec![], vec![]];
+        for rep in 0..reps {
+            let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+            for k in order {
+                let (name, base) = [("direct", &upstream), ("governed", &governed)][k];
+                let r = client_rt.block_on(open_loop(format!("{base}/v1/completions"), rate, secs));
+                let thr = r.ok as f64 / r.wall_s;
+                println!(
+                    "{:>10.0} | {:>8} | {:>7} | {:>7} | {:>12.1} | {:>8.3} | {:>8.3} | {:>8.3}",
+                    rate,
+                    name,
+                    r.sent,
+                    r.ok,
+                    thr,
+                    ms(r.hist.value_at_quantile(0.5)),
+                    ms(r.hist.value_at_quantile(0.99)),
+                    ms(r.hist.max())
+                );
+                per_path[k].push((
+                    ms(r.hist.value_at_quantile(0.5)),
+                    ms(r.hist.value_at_quantile(0.99)),
+                    thr,
+                ));
+            }
         }
-        let (d, g) = (&results[0], &results[1]);
+        let med = |v: &Vec<(f64, f64, f64)>, f: fn(&(f64, f64, f64)) -> f64| {
+            let mut x: Vec<f64> = v.iter().map(f).collect();
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let (d, g) = (&per_path[0], &per_path[1]);
         summary.push((
             rate,
-            ms(g.0.hist.value_at_quantile(0.5)) - ms(d.0.hist.value_at_quantile(0.5)),
-            ms(g.0.hist.value_at_quantile(0.99)) - ms(d.0.hist.value_at_quantile(0.99)),
-            g.1 / d.1,
+            med(d, |x| x.0),
+            med(g, |x| x.0),
+            med(d, |x| x.1),
+            med(g, |x| x.1),
+            med(g, |x| x.2) / med(d, |x| x.2),
         ));
     }
     println!();
+    println!("medians over {reps} alternating runs per path:");
     println!(
-        "{:>10} | {:>16} | {:>16} | {:>24}",
-        "rate req/s", "added p50 ms", "added p99 ms", "throughput governed/direct"
+        "{:>10} | {:>10} | {:>10} | {:>12} | {:>10} | {:>10} | {:>12} | {:>12}",
+        "rate req/s",
+        "p50 direct",
+        "p50 gov",
+        "added p50 ms",
+        "p99 direct",
+        "p99 gov",
+        "added p99 ms",
+        "thrpt gov/dir"
     );
-    for (rate, p50, p99, ratio) in summary {
-        println!("{rate:>10.0} | {p50:>16.3} | {p99:>16.3} | {ratio:>24.3}");
+    for (rate, d50, g50, d99, g99, ratio) in summary {
+        println!(
+            "{rate:>10.0} | {d50:>10.3} | {g50:>10.3} | {:>12.3} | {d99:>10.3} | {g99:>10.3} | {:>12.3} | {ratio:>12.3}",
+            g50 - d50,
+            g99 - d99
+        );
     }
     let own = &gov.state_json()["added_latency_us"];
     println!();
