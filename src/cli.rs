@@ -29,7 +29,7 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Sweep precision x batch policy x context bucket and write safe operating points as a profile.
     Sweep(SweepArgs),
-    /// Write report.md and report.html for a profile (next to it, or into --out).
+    /// Write report.md, report.html and plots/*.svg for a profile (next to it, or into --out).
     Report(ReportArgs),
     /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
     Probe(ProbeArgs),
@@ -51,8 +51,9 @@ pub struct SweepArgs {
     /// Directory for profile.json, requests.csv and probes.csv.
     #[arg(long, env = "ENVELOPE_SWEEP_OUT", default_value = "sweep-out")]
     pub out: PathBuf,
-    /// Print the profile as JSON instead of the summary table.
-    #[arg(long)]
+    /// Machine output on stdout: one JSON line per probe as it ends
+    /// (`{"event":"probe",...}`), then `{"event":"profile","profile":...}`.
+    #[arg(long, env = "ENVELOPE_SWEEP_JSON")]
     pub json: bool,
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
@@ -128,6 +129,10 @@ pub struct EngineArgs {
     /// Split long prompts across steps (true/false).
     #[arg(long, env = "ENVELOPE_CHUNKED_PREFILL", default_value_t = true, action = ArgAction::Set)]
     pub chunked_prefill: bool,
+    /// Static batching: wait this long for more requests before a new batch
+    /// forms (until none arrives for this long, or the batch is full).
+    #[arg(long, env = "ENVELOPE_STATIC_BATCH_WAIT_MS", default_value_t = 5)]
+    pub static_batch_wait_ms: u64,
     /// Longest prompt + output accepted (default: the model's context length).
     #[arg(long, env = "ENVELOPE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
@@ -169,6 +174,7 @@ impl EngineArgs {
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 chunked_prefill: self.chunked_prefill,
+                static_batch_wait_ms: self.static_batch_wait_ms,
             },
             max_model_len: self.max_model_len,
         })

@@ -44,10 +44,10 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
-        Command::Govern(args) => govern::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Gate(args) => gate::run(&args),
         Command::Quality(args) => quality::run(&args),
+        Command::Govern(args) => govern::run(args),
         Command::Report(args) => {
             let path = args.profile.display().to_string();
             let text = std::fs::read_to_string(&args.profile)
@@ -59,16 +59,9 @@ fn run(cli: Cli) -> Result<()> {
                     .map(|p| p.to_path_buf())
                     .unwrap_or_default()
             });
-            std::fs::create_dir_all(&dir)?;
-            std::fs::write(
-                dir.join("report.md"),
-                envelope_harness::report::markdown(&profile),
-            )?;
-            std::fs::write(
-                dir.join("report.html"),
-                envelope_harness::report::html(&profile),
-            )?;
-            println!("wrote {}/report.md and report.html", dir.display());
+            envelope_harness::report::write_all(&profile, &dir)
+                .with_context(|| format!("writing reports into {}", dir.display()))?;
+            println!("wrote {}/report.md, report.html and plots/", dir.display());
             Ok(())
         }
         Command::Sweep(args) => {

@@ -2,21 +2,53 @@
 
 use crate::cli::SweepArgs;
 use anyhow::{Context, Result};
-use envelope_harness::BenchConfig;
+use envelope_harness::config::Target;
+use envelope_harness::{BenchConfig, SweepEvent};
 use envelope_telemetry::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerprint};
 
 pub fn run(args: &SweepArgs) -> Result<()> {
     let cfg = BenchConfig::load(&args.config)?;
-    let model = ModelIdentity::from_spec(&cfg.model)
-        .with_context(|| format!("{}: target.model {}", args.config.display(), cfg.model))?;
-    let fp = Fingerprint {
-        schema: envelope_telemetry::fingerprint::FINGERPRINT_SCHEMA,
-        node: NodeFingerprint::read(),
-        engine: EngineIdentity {
+    // A file or dummy preset is hashed; a name another server serves is kept as its id.
+    let model = match &cfg.target {
+        Target::Http { .. } => ModelIdentity::Served {
+            id: cfg.model.clone(),
+        },
+        Target::Engine => ModelIdentity::from_spec(&cfg.model)
+            .with_context(|| format!("{}: target.model {}", args.config.display(), cfg.model))?,
+        Target::Launch { .. } => {
+            ModelIdentity::from_spec(&cfg.model).unwrap_or_else(|_| ModelIdentity::Served {
+                id: cfg.model.clone(),
+            })
+        }
+    };
+    let engine = match &cfg.target {
+        Target::Engine => EngineIdentity {
             name: "envelope".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             flags: std::env::args().skip(1).collect(),
         },
+        Target::Http { base_url } => EngineIdentity {
+            name: "http".into(),
+            version: String::new(),
+            flags: vec![base_url.clone()],
+        },
+        Target::Launch { command, .. } => EngineIdentity {
+            name: command
+                .split_whitespace()
+                .next()
+                .unwrap_or("launch")
+                .rsplit('/')
+                .next()
+                .unwrap_or("launch")
+                .to_string(),
+            version: String::new(),
+            flags: vec![command.clone()],
+        },
+    };
+    let fp = Fingerprint {
+        schema: envelope_telemetry::fingerprint::FINGERPRINT_SCHEMA,
+        node: NodeFingerprint::read(),
+        engine,
         model,
         precision: cfg
             .points
@@ -33,9 +65,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     };
     let start = std::time::Instant::now();
     // Probes expected: exponential phase plus bisection, per point and bucket.
-    let levels = (cfg.concurrency_max.min(cfg.max_num_seqs) as f64)
-        .log2()
-        .ceil() as u64;
+    let top = if cfg.load.is_open_loop() {
+        (cfg.load.rate_max_per_s / cfg.load.rate_step_per_s).max(1.0)
+    } else {
+        cfg.concurrency_max.min(cfg.max_num_seqs) as f64
+    };
+    let levels = top.log2().ceil() as u64;
     let expected = (cfg.points.len() * cfg.buckets.len()) as u64 * (2 * levels + 1);
     let bar = indicatif::ProgressBar::new(expected);
     bar.set_style(
@@ -44,22 +79,39 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let out = envelope_harness::run_sweep(&cfg, serde_json::to_value(&fp)?, &mut |line| {
-        if bar.is_hidden() {
-            eprintln!("[{:>6.1}s] {line}", start.elapsed().as_secs_f64());
-        }
-        if bar.position() >= bar.length().unwrap_or(0) {
-            bar.inc_length(1);
-        }
-        bar.inc(1);
-        bar.set_message(line.to_string());
-    });
+    let log_dir = args.out.join("logs");
+    let out =
+        envelope_harness::run_sweep(&cfg, serde_json::to_value(&fp)?, &log_dir, &mut |event| {
+            match event {
+                SweepEvent::Probing(line) => {
+                    if bar.is_hidden() && !args.json {
+                        eprintln!("[{:>6.1}s] {line}", start.elapsed().as_secs_f64());
+                    }
+                    bar.set_message(line.to_string());
+                }
+                SweepEvent::Probed(row) => {
+                    if args.json {
+                        // One JSON line per probe, as it ends.
+                        if let Ok(v) = serde_json::to_value(row) {
+                            println!("{}", serde_json::json!({"event": "probe", "probe": v}));
+                        }
+                    }
+                    if bar.position() >= bar.length().unwrap_or(0) {
+                        bar.inc_length(1);
+                    }
+                    bar.inc(1);
+                }
+            }
+        });
     bar.finish_and_clear();
     out.write(&args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     let p = &out.profile;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(p)?);
+        println!(
+            "{}",
+            serde_json::json!({"event": "profile", "profile": serde_json::to_value(p)?})
+        );
         return Ok(());
     }
     println!(

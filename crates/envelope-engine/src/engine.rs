@@ -16,7 +16,7 @@ use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// How big the KV pool is.
@@ -617,6 +617,20 @@ fn run_loop(engine: &mut Engine, rx: mpsc::Receiver<Command>) {
                 }
                 Err(mpsc::TryRecvError::Disconnected) => return,
                 Err(mpsc::TryRecvError::Empty) => break,
+            }
+        }
+        // Static batching: let requests sent together arrive before the
+        // batch forms (TGI waits for its batch in a similar way).
+        let wait = Duration::from_millis(engine.info.scheduler.static_batch_wait_ms);
+        while !wait.is_zero() && engine.scheduler.forming_static_batch() {
+            match rx.recv_timeout(wait) {
+                Ok(cmd) => {
+                    if !handle(engine, cmd) {
+                        return;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
         }
         engine.reap_disconnected();

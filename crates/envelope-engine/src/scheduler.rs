@@ -48,6 +48,15 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Split long prompts across steps so decodes keep flowing.
     pub chunked_prefill: bool,
+    /// Static batching: before a new batch forms, wait until no request has
+    /// arrived for this long (or the batch is full), so requests sent
+    /// together land in one batch instead of drifting into the next.
+    #[serde(default = "default_batch_wait_ms")]
+    pub static_batch_wait_ms: u64,
+}
+
+fn default_batch_wait_ms() -> u64 {
+    5
 }
 
 impl Default for SchedulerConfig {
@@ -57,6 +66,7 @@ impl Default for SchedulerConfig {
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             chunked_prefill: true,
+            static_batch_wait_ms: default_batch_wait_ms(),
         }
     }
 }
@@ -140,6 +150,14 @@ impl Scheduler {
     pub fn preemptions_total(&self) -> u64 {
         self.preemptions_total
     }
+    /// Static batching is about to form a new batch that is not yet full.
+    pub fn forming_static_batch(&self) -> bool {
+        self.config.policy == BatchPolicy::Static
+            && self.running.is_empty()
+            && !self.waiting.is_empty()
+            && self.waiting.len() < self.config.max_num_seqs
+    }
+
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
@@ -303,6 +321,7 @@ mod tests {
             max_num_seqs: seqs,
             max_num_batched_tokens: tokens,
             chunked_prefill: chunked,
+            static_batch_wait_ms: 5,
         }
     }
 
@@ -451,6 +470,22 @@ mod tests {
         // sequence: it preempts itself; the waiting one is not admitted.
         assert!(p.preempted.contains(&1));
         assert!(p.work.is_empty());
+    }
+
+    #[test]
+    fn a_static_batch_is_forming_until_it_is_full_or_running() {
+        let mut s = Scheduler::new(cfg(BatchPolicy::Static, 2, 100, true), 4, 100);
+        assert!(!s.forming_static_batch(), "nothing waits");
+        s.add(0, 3);
+        assert!(s.forming_static_batch());
+        s.add(1, 3);
+        assert!(!s.forming_static_batch(), "full");
+        run_step(&mut s);
+        s.add(2, 3);
+        assert!(!s.forming_static_batch(), "a batch runs");
+        let mut c = Scheduler::new(cfg(BatchPolicy::Continuous, 2, 100, true), 4, 100);
+        c.add(0, 3);
+        assert!(!c.forming_static_batch());
     }
 
     #[test]

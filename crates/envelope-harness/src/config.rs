@@ -18,13 +18,59 @@ pub struct ConfigError {
 pub struct TargetConfig {
     /// `engine` (in process), `http` (a running server) or `launch` (a command per configuration).
     pub kind: String,
+    /// engine: a model spec (GGUF, HF directory, `dummy:PRESET`); http and
+    /// launch: the model name sent in requests (and `{model}` in the command).
     pub model: Option<String>,
-    /// Engine KV pool, e.g. `256MiB` (engine and launch targets).
+    /// Engine KV pool, e.g. `256MiB` (engine; `{kv_cache_bytes}` for launch).
     pub kv_cache_bytes: Option<String>,
     #[serde(default = "default_block_size")]
     pub block_size: usize,
+    /// http: the server, e.g. `http://127.0.0.1:8000`; launch: where the
+    /// launched server listens (default `http://127.0.0.1:{port}`).
     pub base_url: Option<String>,
+    /// launch: the command template, e.g. `envelope serve --model {model} --port {port}`.
     pub command: Option<String>,
+    /// http and launch: Prometheus metrics (default `{base_url}/metrics`;
+    /// `""` for none). KV use and preemptions come from here.
+    pub metrics_url: Option<String>,
+    /// launch: the path polled until it answers 2xx (default `/health`).
+    #[serde(default = "default_ready_path")]
+    pub ready_path: String,
+    /// launch: seconds to wait for readiness (default 300).
+    #[serde(default = "default_ready_timeout")]
+    pub ready_timeout_s: u64,
+    /// http and launch: synthetic token ids stay below this (default 32000).
+    #[serde(default = "default_vocab")]
+    pub vocab_size: usize,
+    /// http and launch: `tokens` (exact lengths) or `text` (approximate).
+    #[serde(default = "default_prompt_format")]
+    pub prompt_format: String,
+    /// http and launch: extra fields merged into every request body
+    /// (e.g. `{ min_tokens = 128 }` for vLLM).
+    #[serde(default)]
+    pub extra_body: toml::Table,
+    /// http and launch: the server's KV capacity in tokens, when its metrics
+    /// do not say (vLLM logs it at start as "GPU KV cache size").
+    pub kv_capacity_tokens: Option<u64>,
+    /// http and launch: a request taking longer is an error (default 600).
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout_s: u64,
+}
+
+fn default_ready_path() -> String {
+    "/health".into()
+}
+fn default_ready_timeout() -> u64 {
+    300
+}
+fn default_vocab() -> usize {
+    32000
+}
+fn default_prompt_format() -> String {
+    "tokens".into()
+}
+fn default_request_timeout() -> u64 {
+    600
 }
 
 fn default_block_size() -> usize {
@@ -34,9 +80,11 @@ fn default_block_size() -> usize {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MatrixConfig {
+    #[serde(default = "as_served")]
     pub precisions: Vec<String>,
     #[serde(default = "default_kv")]
     pub kv_dtypes: Vec<String>,
+    #[serde(default = "as_served")]
     pub batch_policies: Vec<String>,
     #[serde(default = "default_seqs")]
     pub max_num_seqs: u32,
@@ -46,11 +94,15 @@ pub struct MatrixConfig {
     pub buckets: Vec<String>,
     #[serde(default = "one")]
     pub concurrency_min: u32,
+    #[serde(default = "default_seqs")]
     pub concurrency_max: u32,
 }
 
 fn default_kv() -> Vec<String> {
     vec!["f32".into()]
+}
+fn as_served() -> Vec<String> {
+    vec!["as-served".into()]
 }
 fn default_seqs() -> u32 {
     64
@@ -65,14 +117,26 @@ fn one() -> u32 {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoadConfig {
-    /// `closed` (fixed concurrency) for now.
+    /// `closed` (fixed concurrency, searched) or `poisson` (open-loop
+    /// arrivals at a fixed rate, the rate searched).
     #[serde(default = "closed")]
     pub mode: String,
-    /// Requests per probe = max(min_requests, concurrency x rounds).
+    /// closed: requests per probe = max(min_requests, concurrency x rounds).
     #[serde(default = "two")]
     pub rounds: u32,
     #[serde(default = "eight")]
     pub min_requests: u32,
+    /// poisson: the searched rates are multiples of `rate_step_per_s`
+    /// between `rate_min_per_s` and `rate_max_per_s`.
+    #[serde(default = "rate_one")]
+    pub rate_step_per_s: f64,
+    #[serde(default = "rate_one")]
+    pub rate_min_per_s: f64,
+    #[serde(default = "rate_max")]
+    pub rate_max_per_s: f64,
+    /// poisson: requests per probe = max(min_requests, rate x duration_s).
+    #[serde(default = "ten")]
+    pub duration_s: f64,
 }
 
 fn closed() -> String {
@@ -84,6 +148,15 @@ fn two() -> u32 {
 fn eight() -> u32 {
     8
 }
+fn rate_one() -> f64 {
+    1.0
+}
+fn rate_max() -> f64 {
+    64.0
+}
+fn ten() -> f64 {
+    10.0
+}
 
 impl Default for LoadConfig {
     fn default() -> Self {
@@ -91,7 +164,17 @@ impl Default for LoadConfig {
             mode: closed(),
             rounds: 2,
             min_requests: 8,
+            rate_step_per_s: 1.0,
+            rate_min_per_s: 1.0,
+            rate_max_per_s: 64.0,
+            duration_s: 10.0,
         }
+    }
+}
+
+impl LoadConfig {
+    pub fn is_open_loop(&self) -> bool {
+        self.mode == "poisson"
     }
 }
 
@@ -106,9 +189,18 @@ struct RawConfig {
     slo: Slo,
 }
 
-/// One point of the matrix.
+/// One point of the matrix. The strings name it and fill a launch
+/// command's placeholders; `engine` holds them parsed for the embedded engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MatrixPoint {
+    pub precision: String,
+    pub kv_dtype: String,
+    pub policy: String,
+    pub engine: Option<EnginePoint>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EnginePoint {
     pub precision: Precision,
     pub kv_dtype: KvDtype,
     pub policy: BatchPolicy,
@@ -118,6 +210,34 @@ impl MatrixPoint {
     pub fn name(&self) -> String {
         format!("{}-{}-{}", self.precision, self.kv_dtype, self.policy)
     }
+}
+
+/// Where the load goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    Engine,
+    Http {
+        base_url: String,
+    },
+    Launch {
+        command: String,
+        /// May hold `{port}`.
+        base_url: String,
+        ready_path: String,
+        ready_timeout_s: u64,
+    },
+}
+
+/// Settings of the HTTP client (http and launch targets).
+#[derive(Debug, Clone)]
+pub struct HttpClientConfig {
+    /// `None`: none; may hold `{base_url}`.
+    pub metrics_url: Option<String>,
+    pub vocab_size: usize,
+    pub text_prompts: bool,
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
+    pub request_timeout_s: u64,
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +250,8 @@ pub struct Bucket {
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub file: PathBuf,
+    pub target: Target,
+    pub http: HttpClientConfig,
     pub model: String,
     pub kv_cache_bytes: usize,
     pub block_size: usize,
@@ -161,24 +283,37 @@ impl BenchConfig {
         };
         let raw: RawConfig = toml::from_str(text).map_err(|e| err(e.to_string()))?;
         let t = &raw.target;
-        match t.kind.as_str() {
-            "engine" => {}
-            "http" | "launch" => {
-                return Err(err(format!(
-                    "target.kind `{}` is not implemented yet (engine is)",
-                    t.kind
-                )));
-            }
+        let model = t.model.clone().ok_or_else(|| {
+            err(format!(
+                "target.model is required for the {} target",
+                t.kind
+            ))
+        })?;
+        let target = match t.kind.as_str() {
+            "engine" => Target::Engine,
+            "http" => Target::Http {
+                base_url: t
+                    .base_url
+                    .clone()
+                    .ok_or_else(|| err("target.base_url is required for the http target".into()))?,
+            },
+            "launch" => Target::Launch {
+                command: t.command.clone().ok_or_else(|| {
+                    err("target.command is required for the launch target".into())
+                })?,
+                base_url: t
+                    .base_url
+                    .clone()
+                    .unwrap_or_else(|| "http://127.0.0.1:{port}".into()),
+                ready_path: t.ready_path.clone(),
+                ready_timeout_s: t.ready_timeout_s,
+            },
             other => {
                 return Err(err(format!(
                     "target.kind `{other}` is not one of engine, http, launch"
                 )))
             }
-        }
-        let model = t
-            .model
-            .clone()
-            .ok_or_else(|| err("target.model is required for the engine target".into()))?;
+        };
         let kv_cache_bytes = match &t.kv_cache_bytes {
             Some(s) => parse_bytes(s)
                 .ok_or_else(|| err(format!("target.kv_cache_bytes `{s}` is not a byte size")))?,
@@ -187,6 +322,34 @@ impl BenchConfig {
         if t.block_size == 0 {
             return Err(err("target.block_size must be at least 1".into()));
         }
+        let text_prompts = match t.prompt_format.as_str() {
+            "tokens" => false,
+            "text" => true,
+            other => {
+                return Err(err(format!(
+                    "target.prompt_format `{other}` is not one of tokens, text"
+                )))
+            }
+        };
+        if t.vocab_size < 2 {
+            return Err(err("target.vocab_size must be at least 2".into()));
+        }
+        let extra_body = match serde_json::to_value(&t.extra_body) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => return Err(err("target.extra_body must be a table".into())),
+        };
+        let http = HttpClientConfig {
+            metrics_url: match &t.metrics_url {
+                Some(u) if u.is_empty() => None,
+                Some(u) => Some(u.clone()),
+                None => Some("{base_url}/metrics".into()),
+            },
+            vocab_size: t.vocab_size,
+            text_prompts,
+            extra_body,
+            request_timeout_s: t.request_timeout_s.max(1),
+            kv_capacity_tokens: t.kv_capacity_tokens,
+        };
         let m = &raw.matrix;
         let nonempty = |v: &Vec<String>, f: &str| {
             if v.is_empty() {
@@ -201,24 +364,41 @@ impl BenchConfig {
         nonempty(&m.buckets, "buckets")?;
         let mut points = vec![];
         for p in &m.precisions {
-            let precision: Precision = p
-                .parse()
-                .map_err(|e| err(format!("matrix.precisions: {e}")))?;
             for k in &m.kv_dtypes {
-                let kv_dtype: KvDtype = k
-                    .parse()
-                    .map_err(|e| err(format!("matrix.kv_dtypes: {e}")))?;
                 for b in &m.batch_policies {
-                    let policy: BatchPolicy = b
-                        .parse()
-                        .map_err(|e| err(format!("matrix.batch_policies: {e}")))?;
-                    points.push(MatrixPoint {
-                        precision,
-                        kv_dtype,
-                        policy,
-                    });
+                    let mut point = MatrixPoint {
+                        precision: p.clone(),
+                        kv_dtype: k.clone(),
+                        policy: b.clone(),
+                        engine: None,
+                    };
+                    if target == Target::Engine {
+                        let e = EnginePoint {
+                            precision: p
+                                .parse()
+                                .map_err(|e| err(format!("matrix.precisions: {e}")))?,
+                            kv_dtype: k
+                                .parse()
+                                .map_err(|e| err(format!("matrix.kv_dtypes: {e}")))?,
+                            policy: b
+                                .parse()
+                                .map_err(|e| err(format!("matrix.batch_policies: {e}")))?,
+                        };
+                        point.precision = e.precision.to_string();
+                        point.kv_dtype = e.kv_dtype.to_string();
+                        point.policy = e.policy.to_string();
+                        point.engine = Some(e);
+                    }
+                    points.push(point);
                 }
             }
+        }
+        if matches!(target, Target::Http { .. }) && points.len() > 1 {
+            return Err(err(format!(
+                "matrix: an http target serves one configuration, but the matrix has {} \
+                 (use the launch target to vary precision, KV dtype or batch policy)",
+                points.len()
+            )));
         }
         let buckets = m
             .buckets
@@ -250,10 +430,25 @@ impl BenchConfig {
                 "matrix.max_num_seqs and matrix.max_num_batched_tokens must be at least 1".into(),
             ));
         }
-        if raw.load.mode != "closed" {
+        let l = &raw.load;
+        if l.mode != "closed" && l.mode != "poisson" {
             return Err(err(format!(
-                "load.mode `{}` is not implemented yet (closed is)",
-                raw.load.mode
+                "load.mode `{}` is not one of closed, poisson",
+                l.mode
+            )));
+        }
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if l.is_open_loop()
+            && !(positive(l.rate_step_per_s)
+                && positive(l.rate_min_per_s)
+                && positive(l.duration_s)
+                && l.rate_max_per_s >= l.rate_min_per_s
+                && l.rate_min_per_s >= l.rate_step_per_s)
+        {
+            return Err(err(format!(
+                "load.rate_step_per_s ({}), load.rate_min_per_s ({}), load.rate_max_per_s ({}) \
+                 and load.duration_s ({}) must be positive with step <= min <= max",
+                l.rate_step_per_s, l.rate_min_per_s, l.rate_max_per_s, l.duration_s
             )));
         }
         if raw.load.rounds == 0 {
@@ -273,6 +468,8 @@ impl BenchConfig {
         }
         Ok(BenchConfig {
             file: path.to_path_buf(),
+            target,
+            http,
             model,
             kv_cache_bytes,
             block_size: t.block_size,
@@ -347,6 +544,39 @@ headroom = 0.25
                 OK.replace("\"static\"", "\"dynamic\""),
                 "matrix.batch_policies",
             ),
+            (
+                OK.replace("kind = \"engine\"", "kind = \"launch\""),
+                "target.command",
+            ),
+            (
+                OK.replace("kind = \"engine\"", "kind = \"http\""),
+                "target.base_url",
+            ),
+            (
+                OK.replace(
+                    "kind = \"engine\"",
+                    "kind = \"http\"\nbase_url = \"http://h\"",
+                ),
+                "matrix",
+            ),
+            (
+                OK.replace("[slo]", "[load]\nmode = \"burst\"\n[slo]"),
+                "load.mode",
+            ),
+            (
+                OK.replace(
+                    "[slo]",
+                    "[load]\nmode = \"poisson\"\nrate_min_per_s = 0\n[slo]",
+                ),
+                "load.rate_min_per_s",
+            ),
+            (
+                OK.replace(
+                    "kind = \"engine\"",
+                    "kind = \"engine\"\nprompt_format = \"words\"",
+                ),
+                "target.prompt_format",
+            ),
         ];
         for (text, field) in cases {
             let e = BenchConfig::parse(&text, Path::new("bench-configs/x.toml"))
@@ -357,5 +587,42 @@ headroom = 0.25
                 "{field}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn launch_and_http_targets_keep_their_strings_and_poisson_its_rates() {
+        let text = OK
+            .replace(
+                "kind = \"engine\"",
+                "kind = \"launch\"\ncommand = \"vllm serve {model} --port {port}\"",
+            )
+            .replace("\"q8_0\"", "\"fp8\"")
+            .replace(
+                "[slo]",
+                "[load]\nmode = \"poisson\"\nrate_step_per_s = 0.5\n[slo]",
+            );
+        let c = BenchConfig::parse(&text, Path::new("l.toml")).unwrap();
+        assert_eq!(c.points[2].precision, "fp8");
+        assert!(c.points.iter().all(|p| p.engine.is_none()));
+        assert!(
+            matches!(&c.target, Target::Launch { base_url, .. } if base_url.contains("{port}"))
+        );
+        assert!(c.load.is_open_loop());
+        assert_eq!(c.load.rate_step_per_s, 0.5);
+        assert_eq!(c.http.metrics_url.as_deref(), Some("{base_url}/metrics"));
+    }
+
+    #[test]
+    fn every_committed_bench_config_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench-configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                BenchConfig::load(&p).unwrap_or_else(|e| panic!("{e}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 4, "{n} configs");
     }
 }

@@ -1,10 +1,12 @@
-//! Closed-loop load on the in-process engine: `concurrency` workers, each
-//! submitting its next request as soon as the last one finishes, until the
-//! probe's request count is issued. A monitor samples KV use meanwhile.
+//! Load generation over a [`Driver`] (the in-process engine, or an
+//! OpenAI-compatible server over HTTP): closed loop (`concurrency` workers,
+//! each sending its next request as soon as the last one ends) and open loop
+//! (Poisson arrivals at a fixed rate, whatever the server's speed). A monitor
+//! thread samples the server's KV use and memory meanwhile.
 
 use crate::config::Bucket;
-use envelope_engine::{EngineHandle, Event, GenerateRequest, SamplingParams};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,137 +24,320 @@ pub struct RequestRecord {
     pub error: Option<String>,
 }
 
+/// One request of a probe.
+#[derive(Debug, Clone)]
+pub struct LoadRequest {
+    pub prompt_tokens: Vec<u32>,
+    pub output_tokens: u32,
+}
+
+/// What the monitor reads from the server while a probe runs; `None` where
+/// the target cannot tell.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Snapshot {
+    /// KV-cache use, 0..1.
+    pub kv_usage: Option<f64>,
+    pub preemptions_total: Option<u64>,
+    /// Memory of the serving process (host RSS) or of the GPU (NVML).
+    pub memory_bytes: Option<u64>,
+}
+
+/// Something that serves requests: the embedded engine or a server.
+pub trait Driver: Send + Sync {
+    /// Token ids of synthetic prompts stay below this.
+    fn vocab_size(&self) -> usize;
+    /// Sends one request and blocks until it ends. `rec` gets TTFT and
+    /// inter-token gaps (relative to `t0`, the submission), output tokens,
+    /// preemptions and errors.
+    fn send(&self, req: &LoadRequest, t0: Instant, rec: &mut RequestRecord);
+    /// The server's state now.
+    fn snapshot(&self) -> Snapshot;
+    /// Whether the server runs in this process (its CPU use is then not the
+    /// load generator's).
+    fn in_process(&self) -> bool {
+        false
+    }
+    /// How often the monitor reads [`Driver::snapshot`].
+    fn monitor_interval(&self) -> Duration {
+        Duration::from_millis(10)
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ProbeRun {
     pub records: Vec<RequestRecord>,
     pub duration_s: f64,
-    pub kv_usage_max: f64,
-    pub preemptions: u64,
-    pub peak_rss_bytes: Option<u64>,
-    /// Longest gap between a worker's request finishing and its next submission.
+    pub kv_usage_max: Option<f64>,
+    pub preemptions: Option<u64>,
+    pub peak_memory_bytes: Option<u64>,
+    /// Most requests in flight at once.
+    pub max_in_flight: u32,
+    /// Closed loop: longest gap between a worker's request ending and its next submission.
     pub max_client_gap_s: f64,
+    /// Open loop: the share of arrivals sent over 10 ms (or a fifth of the
+    /// mean gap) behind their schedule.
+    pub late_fraction: f64,
+    /// Open loop: the arrival rate asked for.
+    pub offered_rate_per_s: Option<f64>,
+    /// KV use, memory and requests in flight over the probe.
+    pub series: Vec<SeriesPoint>,
+    /// The load generator's CPU use over the probe as a fraction of all
+    /// cores (out-of-process targets only).
+    pub client_cpu_fraction: Option<f64>,
 }
 
 pub use envelope_engine::util::synthetic_prompt;
 
+/// One reading of the monitor's time series (`telemetry.csv`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SeriesPoint {
+    /// Seconds from the probe start.
+    pub t_s: f64,
+    pub kv_usage: Option<f64>,
+    pub memory_bytes: Option<u64>,
+    pub in_flight: u32,
+}
+
+/// The series keeps one reading per this interval; peaks use every reading.
+const SERIES_EVERY: Duration = Duration::from_millis(100);
+
+type MonitorResult = (Option<f64>, Option<u64>, Vec<SeriesPoint>);
+
+/// Watches the driver until dropped into [`Monitor::finish`].
+struct Monitor {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<MonitorResult>,
+    preemptions_before: Option<u64>,
+}
+
+impl Monitor {
+    fn start(driver: &Arc<dyn Driver>, in_flight: &Arc<InFlight>, start: Instant) -> Monitor {
+        let preemptions_before = driver.snapshot().preemptions_total;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (d, stop, in_flight) = (driver.clone(), stop.clone(), in_flight.clone());
+            std::thread::spawn(move || {
+                let (mut kv, mut mem, mut series) = (None::<f64>, None::<u64>, vec![]);
+                let mut next_point = start;
+                let interval = d.monitor_interval();
+                loop {
+                    let s = d.snapshot();
+                    kv = max_opt(kv, s.kv_usage);
+                    mem = max_opt(mem, s.memory_bytes);
+                    let now = Instant::now();
+                    if now >= next_point {
+                        series.push(SeriesPoint {
+                            t_s: now.duration_since(start).as_secs_f64(),
+                            kv_usage: s.kv_usage,
+                            memory_bytes: s.memory_bytes,
+                            in_flight: in_flight.now.load(Ordering::Relaxed),
+                        });
+                        next_point = now + SERIES_EVERY;
+                    }
+                    if stop.load(Ordering::Relaxed) {
+                        return (kv, mem, series);
+                    }
+                    std::thread::sleep(interval);
+                }
+            })
+        };
+        Monitor {
+            stop,
+            thread,
+            preemptions_before,
+        }
+    }
+
+    fn finish(self, driver: &dyn Driver, run: &mut ProbeRun) {
+        self.stop.store(true, Ordering::Relaxed);
+        let (kv, mem, series) = self.thread.join().unwrap_or_default();
+        run.kv_usage_max = kv;
+        run.peak_memory_bytes = mem;
+        run.series = series;
+        run.preemptions = match (self.preemptions_before, driver.snapshot().preemptions_total) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+    }
+}
+
+fn max_opt<T: PartialOrd + Copy>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(if y > x { y } else { x }),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// Counts requests in flight and remembers the most.
+#[derive(Default)]
+struct InFlight {
+    now: AtomicU32,
+    max: AtomicU32,
+}
+
+impl InFlight {
+    fn enter(&self) {
+        let n = self.now.fetch_add(1, Ordering::Relaxed) + 1;
+        self.max.fetch_max(n, Ordering::Relaxed);
+    }
+    fn leave(&self) {
+        self.now.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn request(driver: &dyn Driver, bucket: Bucket, salt: u64) -> LoadRequest {
+    LoadRequest {
+        prompt_tokens: synthetic_prompt(bucket.input_tokens as usize, driver.vocab_size(), salt),
+        output_tokens: bucket.output_tokens,
+    }
+}
+
+/// Sends one request and times it end to end.
+fn timed(
+    driver: &dyn Driver,
+    req: &LoadRequest,
+    worker: u32,
+    probe_start: Instant,
+    in_flight: &InFlight,
+) -> RequestRecord {
+    let t0 = Instant::now();
+    let mut rec = RequestRecord {
+        worker,
+        start_s: t0.duration_since(probe_start).as_secs_f64(),
+        input_tokens: req.prompt_tokens.len() as u32,
+        ..Default::default()
+    };
+    in_flight.enter();
+    driver.send(req, t0, &mut rec);
+    in_flight.leave();
+    rec.e2e_s = t0.elapsed().as_secs_f64();
+    rec
+}
+
+fn finish(
+    mut records: Vec<RequestRecord>,
+    start: Instant,
+    in_flight: &InFlight,
+    cpu_before: Option<f64>,
+) -> ProbeRun {
+    records.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+    let duration_s = start.elapsed().as_secs_f64();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    ProbeRun {
+        records,
+        duration_s,
+        max_in_flight: in_flight.max.load(Ordering::Relaxed),
+        client_cpu_fraction: cpu_before
+            .zip(envelope_telemetry::host::process_cpu_seconds())
+            .map(|(a, b)| (b - a) / (duration_s.max(1e-9) * cores)),
+        ..Default::default()
+    }
+}
+
+/// CPU seconds used so far, when the load generator's use can be told apart.
+fn client_cpu(driver: &dyn Driver) -> Option<f64> {
+    if driver.in_process() {
+        None
+    } else {
+        envelope_telemetry::host::process_cpu_seconds()
+    }
+}
+
+/// `concurrency` workers send `total_requests` between them, all starting together.
 pub fn closed_loop(
-    engine: &EngineHandle,
+    driver: &Arc<dyn Driver>,
     bucket: Bucket,
     concurrency: u32,
     total_requests: u32,
     salt: u64,
 ) -> ProbeRun {
-    let vocab = engine.info.model.config.vocab_size;
     let issued = Arc::new(AtomicU64::new(0));
-    let records = Arc::new(Mutex::new(Vec::new()));
     let gap = Arc::new(Mutex::new(0f64));
-    let stop = Arc::new(AtomicBool::new(false));
-    let preempt_before = engine.metrics.preemptions_total.load(Ordering::Relaxed);
+    let in_flight = Arc::new(InFlight::default());
+    let barrier = Arc::new(std::sync::Barrier::new(concurrency as usize + 1));
+    let cpu_before = client_cpu(&**driver);
     let start = Instant::now();
-    let monitor = {
-        let (m, stop) = (engine.metrics.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let (mut kv, mut rss) = (0f64, 0u64);
-            while !stop.load(Ordering::Relaxed) {
-                kv = kv.max(m.kv_usage());
-                rss = rss.max(
-                    envelope_telemetry::host::sample(None)
-                        .process_rss_bytes
-                        .unwrap_or(0),
-                );
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            (kv.max(m.kv_usage()), rss)
-        })
-    };
+    let monitor = Monitor::start(driver, &in_flight, start);
     let workers: Vec<_> = (0..concurrency)
         .map(|w| {
-            let (engine, issued, records, gap) =
-                (engine.clone(), issued.clone(), records.clone(), gap.clone());
+            let (d, issued, gap, in_flight, barrier) = (
+                driver.clone(),
+                issued.clone(),
+                gap.clone(),
+                in_flight.clone(),
+                barrier.clone(),
+            );
             std::thread::spawn(move || {
+                let mut out = vec![];
                 let mut last_end: Option<Instant> = None;
+                barrier.wait();
                 loop {
                     let n = issued.fetch_add(1, Ordering::Relaxed);
                     if n >= total_requests as u64 {
-                        return;
+                        return out;
                     }
-                    let t0 = Instant::now();
+                    let req = request(&*d, bucket, salt.wrapping_add(n));
                     if let Some(e) = last_end {
-                        let g = t0.duration_since(e).as_secs_f64();
-                        let mut m = gap.lock().unwrap();
+                        let g = e.elapsed().as_secs_f64();
+                        let mut m = gap.lock().unwrap_or_else(|e| e.into_inner());
                         *m = m.max(g);
                     }
-                    let mut rec = RequestRecord {
-                        worker: w,
-                        start_s: t0.duration_since(start).as_secs_f64(),
-                        input_tokens: bucket.input_tokens,
-                        ..Default::default()
-                    };
-                    let req = GenerateRequest {
-                        prompt_tokens: synthetic_prompt(
-                            bucket.input_tokens as usize,
-                            vocab,
-                            salt.wrapping_add(n),
-                        ),
-                        params: SamplingParams {
-                            ignore_eos: true,
-                            ..SamplingParams::greedy(bucket.output_tokens as usize)
-                        },
-                    };
-                    match engine.submit(req) {
-                        Err(e) => rec.error = Some(e.to_string()),
-                        Ok(mut rx) => {
-                            let mut last = t0;
-                            loop {
-                                match rx.blocking_recv() {
-                                    Some(Event::Token { at, .. }) => {
-                                        if rec.ttft_s.is_none() {
-                                            rec.ttft_s = Some(at.duration_since(t0).as_secs_f64());
-                                        } else {
-                                            rec.itl_s.push(at.duration_since(last).as_secs_f64());
-                                        }
-                                        last = at;
-                                        rec.output_tokens += 1;
-                                    }
-                                    Some(Event::Done { preemptions, .. }) => {
-                                        rec.preemptions = preemptions;
-                                        break;
-                                    }
-                                    Some(Event::Error(e)) => {
-                                        rec.error = Some(e);
-                                        break;
-                                    }
-                                    None => {
-                                        rec.error = Some("the engine stopped".into());
-                                        break;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    let end = Instant::now();
-                    rec.e2e_s = end.duration_since(t0).as_secs_f64();
-                    last_end = Some(end);
-                    records.lock().unwrap().push(rec);
+                    out.push(timed(&*d, &req, w, start, &in_flight));
+                    last_end = Some(Instant::now());
                 }
             })
         })
         .collect();
-    for w in workers {
-        let _ = w.join();
+    barrier.wait();
+    let records = workers
+        .into_iter()
+        .flat_map(|w| w.join().unwrap_or_default())
+        .collect();
+    let mut run = finish(records, start, &in_flight, cpu_before);
+    run.max_client_gap_s = *gap.lock().unwrap_or_else(|e| e.into_inner());
+    monitor.finish(&**driver, &mut run);
+    run
+}
+
+/// Poisson arrivals at `rate_per_s` (exponential gaps from a seeded
+/// generator) until `total_requests` are sent; each request runs on its own
+/// thread, so a slow server does not slow the arrivals.
+pub fn open_loop(
+    driver: &Arc<dyn Driver>,
+    bucket: Bucket,
+    rate_per_s: f64,
+    total_requests: u32,
+    salt: u64,
+) -> ProbeRun {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(salt);
+    let in_flight = Arc::new(InFlight::default());
+    let mean_gap_s = 1.0 / rate_per_s.max(1e-9);
+    let late_after_s = (0.2 * mean_gap_s).max(0.010);
+    let cpu_before = client_cpu(&**driver);
+    let start = Instant::now();
+    let monitor = Monitor::start(driver, &in_flight, start);
+    let (mut due_s, mut late, mut threads) = (0f64, 0u32, vec![]);
+    for n in 0..total_requests {
+        // Inverse-CDF sample of an exponential gap; 1 - u is in (0, 1].
+        let u: f64 = rng.random();
+        due_s += -(1.0 - u).ln() * mean_gap_s;
+        let now_s = start.elapsed().as_secs_f64();
+        if due_s > now_s {
+            std::thread::sleep(Duration::from_secs_f64(due_s - now_s));
+        } else if now_s - due_s > late_after_s {
+            late += 1;
+        }
+        let req = request(&**driver, bucket, salt.wrapping_add(n as u64));
+        let (d, in_flight) = (driver.clone(), in_flight.clone());
+        threads.push(std::thread::spawn(move || {
+            timed(&*d, &req, n, start, &in_flight)
+        }));
     }
-    let duration_s = start.elapsed().as_secs_f64();
-    stop.store(true, Ordering::Relaxed);
-    let (kv_usage_max, rss) = monitor.join().unwrap_or((0.0, 0));
-    let mut records = std::mem::take(&mut *records.lock().unwrap());
-    records.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
-    let max_client_gap_s = *gap.lock().unwrap();
-    ProbeRun {
-        records,
-        duration_s,
-        kv_usage_max,
-        preemptions: engine.metrics.preemptions_total.load(Ordering::Relaxed) - preempt_before,
-        peak_rss_bytes: (rss > 0).then_some(rss),
-        max_client_gap_s,
-    }
+    let records = threads.into_iter().filter_map(|t| t.join().ok()).collect();
+    let mut run = finish(records, start, &in_flight, cpu_before);
+    run.late_fraction = late as f64 / total_requests.max(1) as f64;
+    run.offered_rate_per_s = Some(rate_per_s);
+    monitor.finish(&**driver, &mut run);
+    run
 }

@@ -86,21 +86,27 @@ pub fn markdown(p: &Profile) -> String {
             s += &format!("| {} |\n", r.join(" | "));
         }
     }
-    s += "\n## Memory\n\n| config | weights MiB | analytic MiB | KV bytes/token | KV capacity tokens | peak RSS MiB |\n|---|---|---|---|---|---|\n";
+    s += "\n## Memory\n\n| config | weights MiB | analytic MiB | resident after load MiB | KV bytes/token | KV capacity tokens | peak MiB | source |\n|---|---|---|---|---|---|---|---|\n";
     let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
     for c in &p.configs {
         let m = &c.memory;
         s += &format!(
-            "| {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
             c.name,
             mib(m.weight_bytes),
             mib(m.weight_bytes_analytic),
+            m.resident_after_load_bytes.map_or("-".into(), mib),
             m.kv_bytes_per_token,
             m.kv_capacity_tokens,
-            m.peak_bytes.map_or("-".into(), mib)
+            m.peak_bytes.map_or("-".into(), mib),
+            m.source.as_deref().unwrap_or("-")
         );
     }
-    s += "\nRaw data: `probes.csv` (one row per probe), `requests.csv` (one row per request), `profile.json`.\n";
+    s += "\n## Plots\n\n";
+    for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
+        s += &format!("![{}]({})\n\n", c.name, crate::plots::file_name(c));
+    }
+    s += "Raw data: `probes.csv` (one row per probe), `requests.csv` (one row per request), `telemetry.csv` (KV use, memory and requests in flight every 100 ms of each probe), `profile.json`.\n";
     s
 }
 
@@ -148,6 +154,26 @@ pub fn html(p: &Profile) -> String {
             s += "</tr>";
         }
     }
-    s += "</table><p>Raw data: probes.csv, requests.csv, profile.json.</p></body></html>\n";
+    s += "</table><h2>Plots</h2>";
+    for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
+        s += &format!(
+            "<p><img src=\"{}\" alt=\"{}\" style=\"max-width:100%\"></p>",
+            esc(&crate::plots::file_name(c)),
+            esc(&c.name)
+        );
+    }
+    s += "<p>Raw data: probes.csv, requests.csv, telemetry.csv, profile.json.</p></body></html>\n";
     s
+}
+
+/// Writes `report.md`, `report.html` and `plots/*.svg` for `p` into `dir`.
+pub fn write_all(p: &Profile, dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir.join("plots"))?;
+    std::fs::write(dir.join("report.md"), markdown(p))?;
+    std::fs::write(dir.join("report.html"), html(p))?;
+    for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
+        let svg = crate::plots::config_svg(c).map_err(std::io::Error::other)?;
+        std::fs::write(dir.join(crate::plots::file_name(c)), svg)?;
+    }
+    Ok(())
 }

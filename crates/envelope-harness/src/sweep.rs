@@ -1,8 +1,11 @@
 //! The sweep: every matrix point, every bucket, a bracket search over
-//! concurrency; an OOM or failed load is recorded and the sweep goes on.
+//! concurrency (closed loop) or arrival rate (Poisson); an OOM, a crash or a
+//! failed load is recorded and the sweep goes on.
 
-use crate::config::{BenchConfig, MatrixPoint};
-use crate::load::{closed_loop, ProbeRun};
+use crate::config::{BenchConfig, Bucket, EnginePoint, MatrixPoint, Target};
+use crate::driver::{EngineDriver, HttpDriver, HttpSettings, PromptFormat};
+use crate::launch::{free_port, render, LaunchedServer};
+use crate::load::{closed_loop, open_loop, Driver, ProbeRun};
 use crate::stats::percentiles;
 use envelope_engine::{
     EngineConfig, EngineHandle, KvBudget, LoadOptions, Precision, SchedulerConfig,
@@ -13,13 +16,21 @@ use envelope_profile::{
     Slo, Step, PROFILE_SCHEMA,
 };
 use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// One row of `requests.csv`.
 #[derive(Debug, Clone, Serialize)]
 pub struct RequestRow {
+    /// Joins with `probes.csv`.
+    pub probe: u32,
     pub config: String,
     pub bucket: String,
+    /// The probe's concurrency (open loop: the most in flight).
     pub concurrency: u32,
+    /// Closed loop: the worker; open loop: the arrival's index.
     pub worker: u32,
     pub start_s: f64,
     pub ttft_ms: Option<f64>,
@@ -31,30 +42,52 @@ pub struct RequestRow {
     pub error: String,
 }
 
-/// One row of `probes.csv`.
+/// One row of `probes.csv` (and of `envelope sweep --json`).
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeRow {
+    pub probe: u32,
     pub config: String,
     pub bucket: String,
+    /// Closed loop: the concurrency; open loop: the most requests in flight.
     pub concurrency: u32,
+    /// Open loop: the Poisson arrival rate.
+    pub offered_rate_per_s: Option<f64>,
+    /// The searched value (concurrency, or rate in `load.rate_step_per_s` steps).
+    pub ladder: u32,
     pub requests: u64,
     pub errors: u64,
     pub duration_s: f64,
     pub ttft_p95_ms: f64,
     pub itl_p95_ms: f64,
     pub e2e_p99_ms: f64,
+    pub prefill_tok_per_s: f64,
+    pub decode_tok_per_s: f64,
     pub output_tok_per_s: f64,
     pub total_tok_per_s: f64,
     pub goodput_req_per_s: f64,
-    pub kv_usage_max: f64,
-    pub preemptions: u64,
+    pub kv_usage_max: Option<f64>,
+    pub preemptions: Option<u64>,
+    pub peak_memory_bytes: Option<u64>,
+    /// False when the load generator could not keep up.
+    pub valid: bool,
     pub breaches: String,
+}
+
+/// One row of `telemetry.csv`: the monitor's readings during a probe.
+#[derive(Debug, Clone, Serialize)]
+pub struct TelemetryRow {
+    pub probe: u32,
+    pub t_s: f64,
+    pub kv_usage: Option<f64>,
+    pub memory_bytes: Option<u64>,
+    pub in_flight: u32,
 }
 
 pub struct SweepOutput {
     pub profile: Profile,
     pub requests: Vec<RequestRow>,
     pub probes: Vec<ProbeRow>,
+    pub telemetry: Vec<TelemetryRow>,
 }
 
 /// Summarises a probe and checks it against the SLOs.
@@ -98,14 +131,19 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo) -> ProbeSummary {
         total_tok_per_s: (in_tokens + out_tokens) as f64 / d,
         request_per_s: ok.len() as f64 / d,
         goodput_req_per_s: good as f64 / d,
-        offered_rate_per_s: None,
-        kv_usage_max: Some(run.kv_usage_max),
-        preemptions: Some(run.preemptions),
-        peak_memory_bytes: run.peak_rss_bytes,
+        offered_rate_per_s: run.offered_rate_per_s,
+        kv_usage_max: run.kv_usage_max,
+        preemptions: run.preemptions,
+        peak_memory_bytes: run.peak_memory_bytes,
         breaches: vec![],
-        // A worker that idled between its requests for over 100 ms (or a quarter
-        // of a median request) was not keeping the load closed.
-        valid: run.max_client_gap_s < (0.25 * percentiles(&e2e).p50 / 1e3).max(0.1),
+        // A worker that idled between its requests for over 100 ms (or a
+        // quarter of a median request) was not keeping the load closed; an
+        // open loop that sent over 5% of its arrivals late was not open; a
+        // load generator using over 90% of the cores measured itself.
+        client_cpu_fraction: run.client_cpu_fraction,
+        valid: run.max_client_gap_s < (0.25 * percentiles(&e2e).p50 / 1e3).max(0.1)
+            && run.late_fraction <= 0.05
+            && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
     };
     s.breaches = breaches(&s, slo);
     s
@@ -163,166 +201,529 @@ fn bytes_per_param(p: Precision) -> Option<f64> {
     }
 }
 
-fn run_point(
+/// What the sweep tells its caller as it goes.
+pub enum SweepEvent<'a> {
+    /// A probe is about to run (config, bucket, what is probed).
+    Probing(&'a str),
+    /// A probe ended.
+    Probed(&'a ProbeRow),
+}
+
+/// A configuration's server, ready for load.
+struct Session {
+    driver: Arc<dyn Driver>,
+    engine: Option<EngineHandle>,
+    server: Option<LaunchedServer>,
+    memory: MemoryReport,
+}
+
+impl Session {
+    fn close(self) {
+        if let Some(e) = &self.engine {
+            e.shutdown();
+        }
+        drop(self.server);
+    }
+
+    /// Whether a launched server has died; `Oom` when its log says so.
+    fn died(&mut self) -> Option<Constraint> {
+        let server = self.server.as_mut()?;
+        server.exited()?;
+        Some(if server.log_says_oom() {
+            Constraint::Oom
+        } else {
+            Constraint::Crash
+        })
+    }
+}
+
+fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
+    let rss = || envelope_telemetry::host::sample(None).process_rss_bytes;
+    let rss_before = rss();
+    let loaded = envelope_engine::load(
+        &cfg.model,
+        &LoadOptions {
+            precision: e.precision,
+            tokenizer: None,
+        },
+    )
+    .map_err(|err| format!("load failed: {err}"))?;
+    let resident_after_load_bytes = rss()
+        .zip(rss_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let params = loaded.info.weights.num_parameters as f64;
+    let weight_bytes = loaded.info.weights.total_bytes as u64;
+    let ecfg = EngineConfig {
+        kv_dtype: e.kv_dtype,
+        kv_budget: KvBudget::Bytes(cfg.kv_cache_bytes),
+        block_size: cfg.block_size,
+        scheduler: SchedulerConfig {
+            policy: e.policy,
+            max_num_seqs: cfg.max_num_seqs as usize,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            chunked_prefill: true,
+            ..SchedulerConfig::default()
+        },
+        max_model_len: None,
+    };
+    let engine =
+        EngineHandle::spawn(loaded, &ecfg).map_err(|err| format!("engine start failed: {err}"))?;
+    let memory = MemoryReport {
+        weight_bytes,
+        weight_bytes_analytic: bytes_per_param(e.precision)
+            .map_or(weight_bytes, |b| (params * b) as u64),
+        kv_bytes_per_token: engine.info.kv_bytes_per_token as u64,
+        kv_capacity_tokens: engine.info.kv_capacity_tokens as u64,
+        peak_bytes: None,
+        resident_after_load_bytes,
+        source: Some("engine".into()),
+    };
+    Ok(Session {
+        driver: Arc::new(EngineDriver {
+            engine: engine.clone(),
+        }),
+        engine: Some(engine),
+        server: None,
+        memory,
+    })
+}
+
+fn http_driver(cfg: &BenchConfig, base_url: &str) -> Result<HttpDriver, String> {
+    let h = &cfg.http;
+    HttpDriver::new(HttpSettings {
+        base_url: base_url.to_string(),
+        model: cfg.model.clone(),
+        metrics_url: h
+            .metrics_url
+            .as_ref()
+            .map(|u| u.replace("{base_url}", base_url.trim_end_matches('/'))),
+        vocab_size: h.vocab_size,
+        prompt_format: if h.text_prompts {
+            PromptFormat::Text
+        } else {
+            PromptFormat::Tokens
+        },
+        extra_body: h.extra_body.clone(),
+        request_timeout: Duration::from_secs(h.request_timeout_s),
+    })
+}
+
+/// Memory before traffic: the GPU's (NVML) when there is one, else the
+/// launched server's RSS.
+fn memory_at_rest(pid: Option<u32>, gpu_used_before: Option<u64>) -> MemoryReport {
+    let nvml = envelope_telemetry::Nvml::init().ok();
+    let gpu_used = nvml
+        .as_ref()
+        .filter(|n| n.device_count() > 0)
+        .and_then(|n| n.sample(0, None).memory_used_bytes);
+    let (bytes, source) = match (gpu_used, pid) {
+        (Some(u), _) => (Some(u.saturating_sub(gpu_used_before.unwrap_or(0))), "nvml"),
+        (None, Some(pid)) => (
+            envelope_telemetry::host::sample(Some(pid)).process_rss_bytes,
+            "process_rss",
+        ),
+        (None, None) => (None, "none"),
+    };
+    // Weights alone cannot be told apart from the server's other memory.
+    MemoryReport {
+        resident_after_load_bytes: bytes,
+        source: Some(source.into()),
+        ..Default::default()
+    }
+}
+
+/// The configured KV capacity, else the server's own figure, else 0 (unknown).
+fn kv_capacity(cfg: &BenchConfig, driver: &HttpDriver) -> u64 {
+    cfg.http
+        .kv_capacity_tokens
+        .or_else(|| driver.kv_capacity_tokens())
+        .unwrap_or(0)
+}
+
+fn open_launch(
     cfg: &BenchConfig,
     point: &MatrixPoint,
-    probes_total: &mut u32,
-    rows: &mut (Vec<RequestRow>, Vec<ProbeRow>),
-    progress: &mut dyn FnMut(&str),
+    t: (&str, &str, &str, u64),
+    log_dir: &Path,
+    attempt: u32,
+) -> Result<Session, String> {
+    let (command, base_url, ready_path, ready_timeout_s) = t;
+    let port = free_port().map_err(|e| format!("no free port: {e}"))?;
+    let mut vars = BTreeMap::new();
+    vars.insert("model", cfg.model.clone());
+    vars.insert("precision", point.precision.clone());
+    vars.insert("kv_dtype", point.kv_dtype.clone());
+    vars.insert("batch_policy", point.policy.clone());
+    vars.insert("max_num_seqs", cfg.max_num_seqs.to_string());
+    vars.insert(
+        "max_num_batched_tokens",
+        cfg.max_num_batched_tokens.to_string(),
+    );
+    vars.insert("kv_cache_bytes", cfg.kv_cache_bytes.to_string());
+    vars.insert("block_size", cfg.block_size.to_string());
+    vars.insert("port", port.to_string());
+    let base_url = render(base_url, &vars)?;
+    let command = render(command, &vars)?;
+    let gpu_before = envelope_telemetry::Nvml::init()
+        .ok()
+        .filter(|n| n.device_count() > 0)
+        .and_then(|n| n.sample(0, None).memory_used_bytes);
+    let log = log_dir.join(format!("{}.{attempt}.log", point.name()));
+    let server = LaunchedServer::start(
+        &command,
+        &base_url,
+        ready_path,
+        Duration::from_secs(ready_timeout_s),
+        &log,
+    )?;
+    let mut driver = http_driver(cfg, &base_url)?;
+    driver.pid = Some(server.pid());
+    let mut memory = memory_at_rest(Some(server.pid()), gpu_before);
+    memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+    Ok(Session {
+        driver: Arc::new(driver),
+        engine: None,
+        memory,
+        server: Some(server),
+    })
+}
+
+fn open(
+    cfg: &BenchConfig,
+    point: &MatrixPoint,
+    log_dir: &Path,
+    attempt: u32,
+) -> Result<Session, String> {
+    match &cfg.target {
+        Target::Engine => match &point.engine {
+            Some(e) => open_engine(cfg, e),
+            None => Err("the engine target needs engine settings".into()),
+        },
+        Target::Http { base_url } => {
+            let driver = http_driver(cfg, base_url)?;
+            let mut memory = memory_at_rest(None, None);
+            memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+            Ok(Session {
+                driver: Arc::new(driver),
+                engine: None,
+                server: None,
+                memory,
+            })
+        }
+        Target::Launch {
+            command,
+            base_url,
+            ready_path,
+            ready_timeout_s,
+        } => open_launch(
+            cfg,
+            point,
+            (command, base_url, ready_path, *ready_timeout_s),
+            log_dir,
+            attempt,
+        ),
+    }
+}
+
+/// Restarts of a launched server after crashes, per configuration.
+const MAX_RESTARTS: u32 = 3;
+
+struct Ctx<'a> {
+    cfg: &'a BenchConfig,
+    log_dir: &'a Path,
+    probes_total: u32,
+    requests: Vec<RequestRow>,
+    probes: Vec<ProbeRow>,
+    telemetry: Vec<TelemetryRow>,
+}
+
+fn run_point(
+    ctx: &mut Ctx,
+    point: &MatrixPoint,
+    progress: &mut dyn FnMut(SweepEvent),
 ) -> ConfigResult {
+    let cfg = ctx.cfg;
     let name = point.name();
     let mut result = ConfigResult {
         name: name.clone(),
-        precision: point.precision.to_string(),
-        kv_dtype: point.kv_dtype.to_string(),
-        batch_policy: point.policy.to_string(),
+        precision: point.precision.clone(),
+        kv_dtype: point.kv_dtype.clone(),
+        batch_policy: point.policy.clone(),
         max_num_seqs: cfg.max_num_seqs,
         memory: MemoryReport::default(),
         buckets: vec![],
         error: None,
     };
-    let loaded = match envelope_engine::load(
-        &cfg.model,
-        &LoadOptions {
-            precision: point.precision,
-            tokenizer: None,
-        },
-    ) {
-        Ok(l) => l,
+    let mut attempt = 0;
+    let mut session = match open(cfg, point, ctx.log_dir, attempt) {
+        Ok(s) => s,
         Err(e) => {
-            result.error = Some(format!("load failed: {e}"));
+            result.error = Some(e);
             return result;
         }
     };
-    let params = loaded.info.weights.num_parameters as f64;
-    let weight_bytes = loaded.info.weights.total_bytes as u64;
-    let ecfg = EngineConfig {
-        kv_dtype: point.kv_dtype,
-        kv_budget: KvBudget::Bytes(cfg.kv_cache_bytes),
-        block_size: cfg.block_size,
-        scheduler: SchedulerConfig {
-            policy: point.policy,
-            max_num_seqs: cfg.max_num_seqs as usize,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            chunked_prefill: true,
-        },
-        max_model_len: None,
-    };
-    let engine = match EngineHandle::spawn(loaded, &ecfg) {
-        Ok(e) => e,
-        Err(e) => {
-            result.error = Some(format!("engine start failed: {e}"));
-            return result;
-        }
-    };
-    result.memory = MemoryReport {
-        weight_bytes,
-        weight_bytes_analytic: bytes_per_param(point.precision)
-            .map_or(weight_bytes, |b| (params * b) as u64),
-        kv_bytes_per_token: engine.info.kv_bytes_per_token as u64,
-        kv_capacity_tokens: engine.info.kv_capacity_tokens as u64,
-        peak_bytes: None,
-    };
-    for bucket in &cfg.buckets {
-        let bname = format!("{}x{}", bucket.input_tokens, bucket.output_tokens);
-        let mut bracket = Bracket::new(
+    result.memory = session.memory.clone();
+    let open_loop_mode = cfg.load.is_open_loop();
+    let (lo, hi) = if open_loop_mode {
+        let step = cfg.load.rate_step_per_s;
+        (
+            (cfg.load.rate_min_per_s / step).ceil() as u32,
+            ((cfg.load.rate_max_per_s / step).floor() as u32).max(1),
+        )
+    } else {
+        (
             cfg.concurrency_min,
             cfg.concurrency_max.min(cfg.max_num_seqs),
-        );
-        let mut probes = vec![];
-        while let Step::Probe(c) = bracket.next() {
-            progress(&format!("{name} {bname}: probing concurrency {c}"));
-            let total = (c * cfg.load.rounds).max(cfg.load.min_requests);
-            let run = closed_loop(&engine, *bucket, c, total, *probes_total as u64 * 1000);
-            *probes_total += 1;
-            let s = summarise(&run, c, &cfg.slo);
-            bracket.record(c, s.breaches.is_empty());
-            for r in &run.records {
-                rows.0.push(RequestRow {
-                    config: name.clone(),
-                    bucket: bname.clone(),
-                    concurrency: c,
-                    worker: r.worker,
-                    start_s: r.start_s,
-                    ttft_ms: r.ttft_s.map(|t| t * 1e3),
-                    tpot_ms: (r.output_tokens > 1).then(|| {
-                        (r.e2e_s - r.ttft_s.unwrap_or(0.0)) * 1e3 / (r.output_tokens - 1) as f64
-                    }),
-                    e2e_ms: r.e2e_s * 1e3,
-                    input_tokens: r.input_tokens,
-                    output_tokens: r.output_tokens,
-                    preemptions: r.preemptions,
-                    error: r.error.clone().unwrap_or_default(),
-                });
+        )
+    };
+    'buckets: for bucket in &cfg.buckets {
+        let bname = format!("{}x{}", bucket.input_tokens, bucket.output_tokens);
+        let mut bracket = Bracket::new(lo, hi.max(lo));
+        let mut probes: Vec<(u32, ProbeSummary)> = vec![];
+        while let Step::Probe(k) = bracket.next() {
+            let rate = k as f64 * cfg.load.rate_step_per_s;
+            let what = if open_loop_mode {
+                format!("{name} {bname}: probing {rate:.2} req/s")
+            } else {
+                format!("{name} {bname}: probing concurrency {k}")
+            };
+            progress(SweepEvent::Probing(&what));
+            let salt = ctx.probes_total as u64 * 1000;
+            let run = if open_loop_mode {
+                let total =
+                    ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests);
+                open_loop(&session.driver, *bucket, rate, total, salt)
+            } else {
+                let total = (k * cfg.load.rounds).max(cfg.load.min_requests);
+                closed_loop(&session.driver, *bucket, k, total, salt)
+            };
+            let probe_id = ctx.probes_total;
+            ctx.probes_total += 1;
+            let shown = if open_loop_mode { run.max_in_flight } else { k };
+            let mut s = summarise(&run, shown, &cfg.slo);
+            let died = session.died();
+            if let Some(c) = died {
+                s.breaches.insert(0, c);
             }
-            rows.1.push(ProbeRow {
-                config: name.clone(),
-                bucket: bname.clone(),
-                concurrency: c,
-                requests: s.requests,
-                errors: s.errors,
-                duration_s: s.duration_s,
-                ttft_p95_ms: s.ttft_ms.p95,
-                itl_p95_ms: s.itl_ms.p95,
-                e2e_p99_ms: s.e2e_ms.p99,
-                output_tok_per_s: s.output_tok_per_s,
-                total_tok_per_s: s.total_tok_per_s,
-                goodput_req_per_s: s.goodput_req_per_s,
-                kv_usage_max: s.kv_usage_max.unwrap_or(0.0),
-                preemptions: s.preemptions.unwrap_or(0),
-                breaches: s
-                    .breaches
-                    .iter()
-                    .map(|b| b.as_str())
-                    .collect::<Vec<_>>()
-                    .join("+"),
-            });
+            bracket.record(k, s.breaches.is_empty());
+            push_rows(ctx, &name, &bname, probe_id, k, &run, &s);
+            progress(SweepEvent::Probed(ctx.probes.last().expect("just pushed")));
             result.memory.peak_bytes = result.memory.peak_bytes.max(s.peak_memory_bytes);
-            probes.push(s);
+            // Every request of the configuration's first probe failed with the
+            // server alive: a setup error (wrong model name, bad URL), not a
+            // load limit.
+            let all_failed = s.requests > 0 && s.errors == s.requests;
+            let first_error = run.records.iter().find_map(|r| r.error.clone());
+            let setup_error =
+                result.buckets.is_empty() && probes.is_empty() && all_failed && died.is_none();
+            probes.push((k, s));
+            if setup_error {
+                result.error = Some(format!(
+                    "every request of the first probe failed: {}",
+                    first_error.unwrap_or_default()
+                ));
+                result
+                    .buckets
+                    .push(bucket_result(cfg, *bucket, &bracket, probes));
+                break 'buckets;
+            }
+            if died.is_some() {
+                // A crash is a data point: restart and search on below it.
+                session.close();
+                attempt += 1;
+                let reopened = if attempt > MAX_RESTARTS {
+                    Err(format!("the server died {attempt} times; giving up"))
+                } else {
+                    open(cfg, point, ctx.log_dir, attempt)
+                };
+                match reopened {
+                    Ok(s) => session = s,
+                    Err(e) => {
+                        result.error = Some(format!("restart after a crash failed: {e}"));
+                        result
+                            .buckets
+                            .push(bucket_result(cfg, *bucket, &bracket, probes));
+                        return result;
+                    }
+                }
+            }
         }
-        let feasible = bracket.feasible.unwrap_or(0);
-        let binding = match bracket.infeasible {
-            Some(i) => probes
-                .iter()
-                .find(|p| p.concurrency == i)
-                .and_then(|p| p.breaches.first().copied())
-                .unwrap_or(Constraint::Errors),
-            None => Constraint::SearchCap,
-        };
-        result.buckets.push(BucketResult {
-            input_tokens: bucket.input_tokens,
-            output_tokens: bucket.output_tokens,
-            feasible_concurrency: feasible,
-            infeasible_concurrency: bracket.infeasible,
-            safe_concurrency: with_headroom(feasible, cfg.slo.headroom),
-            binding_constraint: binding,
-            knee_concurrency: knee(&probes),
-            at_feasible: probes
-                .iter()
-                .find(|p| p.concurrency == feasible && p.breaches.is_empty())
-                .cloned(),
-            feasible_rate_per_s: None,
-            safe_rate_per_s: None,
-            probes,
-        });
+        result
+            .buckets
+            .push(bucket_result(cfg, *bucket, &bracket, probes));
+        if result.error.is_some() {
+            break 'buckets;
+        }
     }
-    engine.shutdown();
+    session.close();
     result
 }
 
-/// Runs the whole sweep. `progress` hears one line per probe.
+fn bucket_result(
+    cfg: &BenchConfig,
+    bucket: Bucket,
+    bracket: &Bracket,
+    probes: Vec<(u32, ProbeSummary)>,
+) -> BucketResult {
+    let open_loop_mode = cfg.load.is_open_loop();
+    let at = |k: u32| {
+        probes
+            .iter()
+            .find(|(l, p)| *l == k && p.breaches.is_empty())
+            .map(|(_, p)| p.clone())
+    };
+    let at_feasible = bracket.feasible.and_then(at);
+    let binding = match bracket.infeasible {
+        Some(i) => probes
+            .iter()
+            .find(|(l, _)| *l == i)
+            .and_then(|(_, p)| p.breaches.first().copied())
+            .unwrap_or(Constraint::Errors),
+        None => Constraint::SearchCap,
+    };
+    // Closed loop: the searched concurrency. Open loop: the most requests
+    // seen in flight at the feasible rate.
+    let feasible = if open_loop_mode {
+        at_feasible.as_ref().map_or(0, |p| p.concurrency)
+    } else {
+        bracket.feasible.unwrap_or(0)
+    };
+    let feasible_rate = open_loop_mode
+        .then(|| {
+            bracket
+                .feasible
+                .map(|k| k as f64 * cfg.load.rate_step_per_s)
+        })
+        .flatten();
+    let summaries: Vec<ProbeSummary> = probes.into_iter().map(|(_, p)| p).collect();
+    BucketResult {
+        input_tokens: bucket.input_tokens,
+        output_tokens: bucket.output_tokens,
+        feasible_concurrency: feasible,
+        infeasible_concurrency: if open_loop_mode {
+            None
+        } else {
+            bracket.infeasible
+        },
+        safe_concurrency: with_headroom(feasible, cfg.slo.headroom),
+        binding_constraint: binding,
+        knee_concurrency: if open_loop_mode {
+            None
+        } else {
+            knee(&summaries)
+        },
+        at_feasible,
+        feasible_rate_per_s: feasible_rate,
+        safe_rate_per_s: feasible_rate.map(|r| r * (1.0 - cfg.slo.headroom)),
+        probes: summaries,
+    }
+}
+
+fn push_rows(
+    ctx: &mut Ctx,
+    name: &str,
+    bname: &str,
+    probe_id: u32,
+    ladder: u32,
+    run: &ProbeRun,
+    s: &ProbeSummary,
+) {
+    for r in &run.records {
+        ctx.requests.push(RequestRow {
+            probe: probe_id,
+            config: name.to_string(),
+            bucket: bname.to_string(),
+            concurrency: s.concurrency,
+            worker: r.worker,
+            start_s: r.start_s,
+            ttft_ms: r.ttft_s.map(|t| t * 1e3),
+            tpot_ms: (r.output_tokens > 1)
+                .then(|| (r.e2e_s - r.ttft_s.unwrap_or(0.0)) * 1e3 / (r.output_tokens - 1) as f64),
+            e2e_ms: r.e2e_s * 1e3,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            preemptions: r.preemptions,
+            error: r.error.clone().unwrap_or_default(),
+        });
+    }
+    ctx.telemetry
+        .extend(run.series.iter().map(|p| TelemetryRow {
+            probe: probe_id,
+            t_s: p.t_s,
+            kv_usage: p.kv_usage,
+            memory_bytes: p.memory_bytes,
+            in_flight: p.in_flight,
+        }));
+    ctx.probes.push(ProbeRow {
+        probe: probe_id,
+        config: name.to_string(),
+        bucket: bname.to_string(),
+        concurrency: s.concurrency,
+        offered_rate_per_s: s.offered_rate_per_s,
+        ladder,
+        requests: s.requests,
+        errors: s.errors,
+        duration_s: s.duration_s,
+        ttft_p95_ms: s.ttft_ms.p95,
+        itl_p95_ms: s.itl_ms.p95,
+        e2e_p99_ms: s.e2e_ms.p99,
+        prefill_tok_per_s: s.prefill_tok_per_s,
+        decode_tok_per_s: s.decode_tok_per_s,
+        output_tok_per_s: s.output_tok_per_s,
+        total_tok_per_s: s.total_tok_per_s,
+        goodput_req_per_s: s.goodput_req_per_s,
+        kv_usage_max: s.kv_usage_max,
+        preemptions: s.preemptions,
+        peak_memory_bytes: s.peak_memory_bytes,
+        valid: s.valid,
+        breaches: s
+            .breaches
+            .iter()
+            .map(|b| b.as_str())
+            .collect::<Vec<_>>()
+            .join("+"),
+    });
+}
+
+/// KV tokens the governor may reserve: the capacity less the headroom; when
+/// the capacity is unknown (a server whose metrics do not say), what the
+/// safe points of the buckets use at most.
+fn kv_tokens_limit(c: &ConfigResult, headroom: f64) -> u64 {
+    let limit = if c.memory.kv_capacity_tokens > 0 {
+        (c.memory.kv_capacity_tokens as f64 * (1.0 - headroom)).floor() as u64
+    } else {
+        c.buckets
+            .iter()
+            .map(|b| b.safe_concurrency as u64 * (b.input_tokens + b.output_tokens) as u64)
+            .max()
+            .unwrap_or(0)
+    };
+    limit.max(1)
+}
+
+/// Runs the whole sweep; launched servers' logs go to `log_dir`.
 pub fn run_sweep(
     cfg: &BenchConfig,
     fingerprint: serde_json::Value,
-    progress: &mut dyn FnMut(&str),
+    log_dir: &Path,
+    progress: &mut dyn FnMut(SweepEvent),
 ) -> SweepOutput {
-    let mut probes_total = 0;
-    let mut rows = (vec![], vec![]);
+    let mut ctx = Ctx {
+        cfg,
+        log_dir,
+        probes_total: 0,
+        requests: vec![],
+        probes: vec![],
+        telemetry: vec![],
+    };
     let configs: Vec<ConfigResult> = cfg
         .points
         .iter()
-        .map(|p| run_point(cfg, p, &mut probes_total, &mut rows, progress))
+        .map(|p| run_point(&mut ctx, p, progress))
         .collect();
+    let probes_total = ctx.probes_total;
+    let telemetry = ctx.telemetry;
+    let rows = (ctx.requests, ctx.probes);
     // The limits come from the configuration with the most output tok/s at
     // its feasible points, and hold for every bucket of it.
     let score = |c: &ConfigResult| -> f64 {
@@ -356,10 +757,7 @@ pub fn run_sweep(
                 .min()
                 .unwrap_or(0)
                 .max(1),
-            max_kv_tokens_in_flight: ((c.memory.kv_capacity_tokens as f64)
-                * (1.0 - cfg.slo.headroom))
-                .floor()
-                .max(1.0) as u64,
+            max_kv_tokens_in_flight: kv_tokens_limit(c, cfg.slo.headroom),
         },
         None => Limits {
             max_context_tokens: 1,
@@ -383,23 +781,20 @@ pub fn run_sweep(
         profile,
         requests: rows.0,
         probes: rows.1,
+        telemetry,
     }
 }
 
 impl SweepOutput {
-    /// Writes `profile.json`, `report.md`, `report.html`, `requests.csv` and
-    /// `probes.csv` into `dir`.
+    /// Writes `profile.json`, `report.md`, `report.html`, `plots/*.svg`,
+    /// `requests.csv`, `probes.csv` and `telemetry.csv` into `dir`.
     pub fn write(&self, dir: &std::path::Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         std::fs::write(
             dir.join("profile.json"),
             serde_json::to_string_pretty(&self.profile)?,
         )?;
-        std::fs::write(
-            dir.join("report.md"),
-            crate::report::markdown(&self.profile),
-        )?;
-        std::fs::write(dir.join("report.html"), crate::report::html(&self.profile))?;
+        crate::report::write_all(&self.profile, dir)?;
         let mut w = csv::Writer::from_path(dir.join("requests.csv"))?;
         for r in &self.requests {
             w.serialize(r)?;
@@ -407,6 +802,11 @@ impl SweepOutput {
         w.flush()?;
         let mut w = csv::Writer::from_path(dir.join("probes.csv"))?;
         for r in &self.probes {
+            w.serialize(r)?;
+        }
+        w.flush()?;
+        let mut w = csv::Writer::from_path(dir.join("telemetry.csv"))?;
+        for r in &self.telemetry {
             w.serialize(r)?;
         }
         w.flush()?;

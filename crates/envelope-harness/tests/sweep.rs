@@ -4,12 +4,18 @@
 
 use envelope_engine::{EngineConfig, EngineHandle, KvBudget, LoadOptions, SchedulerConfig};
 use envelope_harness::config::Bucket;
-use envelope_harness::load::closed_loop;
+use envelope_harness::driver::EngineDriver;
+use envelope_harness::load::{closed_loop, Driver};
 use envelope_harness::sweep::summarise;
 use envelope_harness::{run_sweep, BenchConfig};
 use envelope_profile::capacity::{max_sequences_by_tokens, with_headroom};
 use envelope_profile::{Constraint, Profile};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn logs() -> PathBuf {
+    std::env::temp_dir().join("envelope-sweep-logs")
+}
 
 // dummy:tiny in f32: 2 x 2 layers x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token.
 // 30 blocks of 16 tokens = 480 tokens; a 32x16 request takes 48 tokens (3 blocks): 10 fit.
@@ -44,7 +50,7 @@ headroom = 0.2
 fn small_kv_budget_binds_at_the_predicted_concurrency() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = config();
-    let out = run_sweep(&cfg, serde_json::json!({}), &mut |_| {});
+    let out = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {});
     let p = &out.profile;
     assert_eq!(p.configs.len(), 2);
     for c in &p.configs {
@@ -71,23 +77,13 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
             .find(|p| p.concurrency == infeasible)
             .unwrap();
         assert!(at_infeasible.preemptions.unwrap() > 0);
-        if c.batch_policy == "continuous" {
-            assert_eq!(b.feasible_concurrency, predicted, "{}", c.name);
-            assert_eq!(infeasible, predicted + 1);
-            assert_eq!(b.safe_concurrency, with_headroom(predicted, 0.2));
-            assert_eq!(b.safe_concurrency, 8);
-        } else {
-            // Static batches form from whoever is waiting when the last batch
-            // drains; in a closed loop the workers fall out of phase, so a
-            // static batch can stay under the offered concurrency and the KV
-            // cache binds a little later.
-            assert!(
-                (predicted..=predicted + 3).contains(&b.feasible_concurrency),
-                "{}: {}",
-                c.name,
-                b.feasible_concurrency
-            );
-        }
+        // Static batches too: the engine waits for requests sent together
+        // (static_batch_wait_ms) before a batch forms, so closed-loop workers
+        // stay in phase and every batch holds the whole concurrency.
+        assert_eq!(b.feasible_concurrency, predicted, "{}", c.name);
+        assert_eq!(infeasible, predicted + 1);
+        assert_eq!(b.safe_concurrency, with_headroom(predicted, 0.2));
+        assert_eq!(b.safe_concurrency, 8);
     }
     assert!(p.limits.max_concurrent_seqs >= 8);
     assert_eq!(p.limits.max_context_tokens, 48);
@@ -103,10 +99,30 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
         "{md}"
     );
     assert!(md.contains("max concurrent sequences"));
+    assert!(md.contains("![f32-f32-continuous](plots/f32-f32-continuous.svg)"));
+    let svg = std::fs::read_to_string(dir.join("plots/f32-f32-static.svg")).unwrap();
+    assert!(svg.contains("32x16") && svg.contains("safe"));
     let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
     assert!(html.contains("<td>f32-f32-static</td>") && html.ends_with("</html>\n"));
     let probes = std::fs::read_to_string(dir.join("probes.csv")).unwrap();
     assert_eq!(probes.lines().count(), 1 + p.probes_total as usize);
+    let telemetry = std::fs::read_to_string(dir.join("telemetry.csv")).unwrap();
+    assert!(telemetry.starts_with("probe,t_s,kv_usage,memory_bytes,in_flight"));
+    assert!(telemetry.lines().count() > p.probes_total as usize);
+    // Every probe has readings, each with a KV figure (the probes are
+    // short, so the 100 ms series need not catch the peak: probes.csv has it).
+    let probes_with_readings: std::collections::BTreeSet<&str> = telemetry
+        .lines()
+        .skip(1)
+        .inspect(|l| {
+            assert!(l
+                .split(',')
+                .nth(2)
+                .is_some_and(|kv| kv.parse::<f64>().is_ok()))
+        })
+        .filter_map(|l| l.split(',').next())
+        .collect();
+    assert_eq!(probes_with_readings.len(), p.probes_total as usize);
     let requests = std::fs::read_to_string(dir.join("requests.csv")).unwrap();
     assert!(requests.lines().count() > p.probes_total as usize);
     std::fs::remove_dir_all(&dir).ok();
@@ -130,8 +146,9 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     )
     .unwrap();
     let safe = p.configs[0].buckets[0].safe_concurrency;
+    let driver: Arc<dyn Driver> = Arc::new(EngineDriver { engine: e });
     let run = closed_loop(
-        &e,
+        &driver,
         Bucket {
             input_tokens: 32,
             output_tokens: 16,
@@ -150,8 +167,8 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
 fn two_sweeps_agree_within_one_step() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = config();
-    let a = run_sweep(&cfg, serde_json::json!({}), &mut |_| {}).profile;
-    let b = run_sweep(&cfg, serde_json::json!({}), &mut |_| {}).profile;
+    let a = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {}).profile;
+    let b = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {}).profile;
     for (x, y) in a.configs.iter().zip(&b.configs) {
         let (sx, sy) = (
             x.buckets[0].safe_concurrency as i64,

@@ -111,6 +111,10 @@ pub struct ProbeSummary {
     pub peak_memory_bytes: Option<u64>,
     /// SLOs this probe breached.
     pub breaches: Vec<Constraint>,
+    /// The load generator's CPU use as a fraction of all cores (targets
+    /// outside this process); over 0.9 the probe is not certified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cpu_fraction: Option<f64>,
     /// False when the load generator could not keep up.
     pub valid: bool,
 }
@@ -153,6 +157,16 @@ pub struct MemoryReport {
     pub kv_bytes_per_token: u64,
     pub kv_capacity_tokens: u64,
     pub peak_bytes: Option<u64>,
+    /// Memory measured after the model loaded and before any traffic: the
+    /// growth of this process's RSS over the load (engine), the launched
+    /// server's RSS, or the growth of GPU memory used (NVML).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resident_after_load_bytes: Option<u64>,
+    /// Where the figures come from: `engine` (the embedded engine's own
+    /// accounting), `nvml` (GPU memory used), `process_rss` (the launched
+    /// server's resident memory) or `none` (fields left 0: not measured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// One point of the matrix: precision x KV dtype x batch policy.

@@ -33,7 +33,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(engine: EngineHandle, served_model_name: String) -> Arc<AppState> {
         Arc::new(AppState {
-            metrics: ServerMetrics::new(engine.metrics.clone()),
+            metrics: ServerMetrics::new(engine.metrics.clone(), engine.info.kv_capacity_tokens),
             engine,
             served_model_name,
             next_id: AtomicU64::new(0),

@@ -16,6 +16,7 @@ pub struct ServerMetrics {
     waiting: Gauge,
     kv_usage: Gauge<f64, AtomicU64>,
     kv_blocks_total: Gauge,
+    kv_capacity_tokens: Gauge,
     preemptions: Counter,
     prompt_tokens: Counter,
     generation_tokens: Counter,
@@ -33,6 +34,7 @@ pub const NAMES: &[&str] = &[
     "envelope:num_requests_waiting",
     "envelope:kv_cache_usage_perc",
     "envelope:kv_cache_blocks_total",
+    "envelope:kv_cache_capacity_tokens",
     "envelope:num_preemptions_total",
     "envelope:prompt_tokens_total",
     "envelope:generation_tokens_total",
@@ -44,13 +46,14 @@ pub const NAMES: &[&str] = &[
 ];
 
 impl ServerMetrics {
-    pub fn new(engine: Arc<EngineMetrics>) -> ServerMetrics {
+    pub fn new(engine: Arc<EngineMetrics>, kv_capacity_tokens: usize) -> ServerMetrics {
         let mut registry = Registry::default();
         let m = ServerMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
             kv_blocks_total: Gauge::default(),
+            kv_capacity_tokens: Gauge::default(),
             preemptions: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
@@ -81,6 +84,12 @@ impl ServerMetrics {
             "envelope:kv_cache_blocks_total",
             "KV-cache blocks in the pool",
             m.kv_blocks_total.clone(),
+        );
+        m.kv_capacity_tokens.set(kv_capacity_tokens as i64);
+        registry.register(
+            "envelope:kv_cache_capacity_tokens",
+            "Tokens the KV-cache pool holds (blocks x block size)",
+            m.kv_capacity_tokens.clone(),
         );
         registry.register(
             "envelope:num_preemptions",

@@ -31,6 +31,10 @@ pub struct EngineState {
     pub preemptions_total: Option<f64>,
     pub prompt_tokens_total: Option<f64>,
     pub generation_tokens_total: Option<f64>,
+    /// Tokens the KV cache holds, where the engine exports it (envelope,
+    /// TGI); vLLM reports it only as labels of `cache_config_info`.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<f64>,
     /// Metrics present but unusable (NaN, negative, out of range), by name.
     pub rejected: Vec<String>,
 }
@@ -246,7 +250,13 @@ pub fn parse_engine_state(text: &str) -> Result<EngineState, MetricsError> {
             r.sum(&["llamacpp:tokens_predicted_total"]),
         ),
     };
+    let kv_capacity_tokens = match engine {
+        EngineKind::Envelope => r.sum(&["envelope:kv_cache_capacity_tokens"]),
+        EngineKind::Tgi => r.sum(&["tgi_batch_max_total_tokens"]),
+        _ => None,
+    };
     Ok(EngineState {
+        kv_capacity_tokens,
         engine,
         fetched_unix_ms: crate::unix_ms(),
         running,

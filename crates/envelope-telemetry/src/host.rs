@@ -40,6 +40,19 @@ pub fn sample(pid: Option<u32>) -> HostSample {
     }
 }
 
+/// CPU time (user + system) this process has used, in seconds, from
+/// `/proc/self/stat` (fields 14 and 15, in clock ticks of 1/100 s, the
+/// kernel's USER_HZ on every Linux architecture we run on).
+pub fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces: count from the `)` after it.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
 /// CPU model name from `/proc/cpuinfo`.
 pub fn cpu_model() -> Option<String> {
     let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
@@ -71,6 +84,18 @@ mod tests {
             sample(Some(u32::MAX)).process_rss_bytes.is_none(),
             "no such process: absent, not zero"
         );
+    }
+
+    #[test]
+    fn counts_this_process_cpu_time() {
+        let before = process_cpu_seconds().expect("/proc/self/stat on Linux");
+        let t = std::time::Instant::now();
+        let mut x = 0u64;
+        while t.elapsed() < std::time::Duration::from_millis(300) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let used = process_cpu_seconds().unwrap() - before;
+        assert!((0.1..5.0).contains(&used), "{used} s for 0.3 s of spinning");
     }
 
     #[test]

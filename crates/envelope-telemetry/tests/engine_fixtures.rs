@@ -24,6 +24,7 @@ fn vllm_v1_with_two_data_parallel_engines() {
         "usage is the most loaded engine's"
     );
     assert_eq!(s.preemptions_total, Some(8.0));
+    assert_eq!(s.kv_capacity_tokens, None, "vLLM has it only in labels");
     assert_eq!(s.prompt_tokens_total, Some(223456.0));
     assert_eq!(s.generation_tokens_total, Some(125432.0));
     assert!(s.rejected.is_empty());
@@ -63,6 +64,7 @@ fn tgi_kv_usage_is_batch_tokens_over_the_maximum() {
     assert_eq!(s.prompt_tokens_total, Some(51200.0));
     assert_eq!(s.generation_tokens_total, Some(12800.0));
     assert_eq!(s.preemptions_total, None);
+    assert_eq!(s.kv_capacity_tokens, Some(81920.0));
 }
 
 #[test]
@@ -127,6 +129,9 @@ envelope:kv_cache_usage_perc 0.5\n\
 # HELP envelope:num_preemptions Sequences preempted (recompute).\n\
 # TYPE envelope:num_preemptions counter\n\
 envelope:num_preemptions_total 2\n\
+# HELP envelope:kv_cache_capacity_tokens Tokens the KV-cache pool holds.\n\
+# TYPE envelope:kv_cache_capacity_tokens gauge\n\
+envelope:kv_cache_capacity_tokens 1456\n\
 # EOF\n";
     let s = parse_engine_state(text).unwrap();
     assert_eq!(s.engine, EngineKind::Envelope);
@@ -135,6 +140,7 @@ envelope:num_preemptions_total 2\n\
         (Some(3.0), Some(0.5), Some(2.0))
     );
     assert_eq!(s.waiting, None);
+    assert_eq!(s.kv_capacity_tokens, Some(1456.0));
 }
 
 #[tokio::test]

@@ -1,0 +1,286 @@
+//! The two [`Driver`]s: the embedded engine in this process, and any
+//! OpenAI-compatible server over HTTP (streaming `/v1/completions`, timed per
+//! SSE chunk, with the server's `/metrics` read through envelope-telemetry).
+
+use crate::load::{Driver, LoadRequest, RequestRecord, Snapshot};
+use envelope_engine::{EngineHandle, Event, GenerateRequest, SamplingParams};
+use std::io::{BufRead, BufReader};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// The embedded engine, in process.
+pub struct EngineDriver {
+    pub engine: EngineHandle,
+}
+
+impl Driver for EngineDriver {
+    fn in_process(&self) -> bool {
+        true
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.engine.info.model.config.vocab_size
+    }
+
+    fn send(&self, req: &LoadRequest, t0: Instant, rec: &mut RequestRecord) {
+        let g = GenerateRequest {
+            prompt_tokens: req.prompt_tokens.clone(),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(req.output_tokens as usize)
+            },
+        };
+        let mut rx = match self.engine.submit(g) {
+            Ok(rx) => rx,
+            Err(e) => {
+                rec.error = Some(e.to_string());
+                return;
+            }
+        };
+        let mut last = t0;
+        loop {
+            match rx.blocking_recv() {
+                Some(Event::Token { at, .. }) => {
+                    note_token(rec, t0, &mut last, at);
+                }
+                Some(Event::Done { preemptions, .. }) => {
+                    rec.preemptions = preemptions;
+                    return;
+                }
+                Some(Event::Error(e)) => {
+                    rec.error = Some(e);
+                    return;
+                }
+                None => {
+                    rec.error = Some("the engine stopped".into());
+                    return;
+                }
+            }
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let m = &self.engine.metrics;
+        Snapshot {
+            kv_usage: Some(m.kv_usage()),
+            preemptions_total: Some(m.preemptions_total.load(Ordering::Relaxed)),
+            memory_bytes: envelope_telemetry::host::sample(None).process_rss_bytes,
+        }
+    }
+}
+
+fn note_token(rec: &mut RequestRecord, t0: Instant, last: &mut Instant, at: Instant) {
+    if rec.ttft_s.is_none() {
+        rec.ttft_s = Some(at.duration_since(t0).as_secs_f64());
+    } else {
+        rec.itl_s.push(at.duration_since(*last).as_secs_f64());
+    }
+    *last = at;
+    rec.output_tokens += 1;
+}
+
+/// How prompts travel to an HTTP server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptFormat {
+    /// Token ids (`"prompt": [1, 2, ...]`): exact lengths (vLLM, SGLang,
+    /// llama.cpp, envelope serve).
+    Tokens,
+    /// Text of one short word per token: lengths approximate, for servers
+    /// that take only text.
+    Text,
+}
+
+/// An OpenAI-compatible server.
+pub struct HttpDriver {
+    client: reqwest::blocking::Client,
+    completions_url: String,
+    metrics_url: Option<String>,
+    model: String,
+    vocab_size: usize,
+    prompt_format: PromptFormat,
+    extra_body: serde_json::Map<String, serde_json::Value>,
+    /// The server's process, when the harness launched it (for its RSS).
+    pub pid: Option<u32>,
+    nvml: Option<envelope_telemetry::gpu::Nvml>,
+}
+
+pub struct HttpSettings {
+    pub base_url: String,
+    pub model: String,
+    pub metrics_url: Option<String>,
+    pub vocab_size: usize,
+    pub prompt_format: PromptFormat,
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
+    pub request_timeout: Duration,
+}
+
+impl HttpDriver {
+    pub fn new(s: HttpSettings) -> Result<HttpDriver, String> {
+        let client = reqwest::blocking::Client::builder()
+            .timeout(s.request_timeout)
+            .pool_max_idle_per_host(1024)
+            .build()
+            .map_err(|e| format!("HTTP client: {e}"))?;
+        Ok(HttpDriver {
+            client,
+            completions_url: format!("{}/v1/completions", s.base_url.trim_end_matches('/')),
+            metrics_url: s.metrics_url,
+            model: s.model,
+            vocab_size: s.vocab_size,
+            prompt_format: s.prompt_format,
+            extra_body: s.extra_body,
+            pid: None,
+            nvml: envelope_telemetry::gpu::Nvml::init().ok(),
+        })
+    }
+
+    fn body(&self, req: &LoadRequest) -> serde_json::Value {
+        let prompt = match self.prompt_format {
+            PromptFormat::Tokens => serde_json::json!(req.prompt_tokens),
+            PromptFormat::Text => serde_json::json!(req
+                .prompt_tokens
+                .iter()
+                .map(|t| WORDS[*t as usize % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(" ")),
+        };
+        let mut body = serde_json::json!({
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": req.output_tokens,
+            "temperature": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "ignore_eos": true,
+        });
+        if let Some(obj) = body.as_object_mut() {
+            for (k, v) in &self.extra_body {
+                obj.insert(k.clone(), v.clone());
+            }
+        }
+        body
+    }
+
+    fn stream(
+        &self,
+        req: &LoadRequest,
+        t0: Instant,
+        rec: &mut RequestRecord,
+    ) -> Result<(), String> {
+        let resp = self
+            .client
+            .post(&self.completions_url)
+            .json(&self.body(req))
+            .send()
+            .map_err(|e| format!("request failed: {e}"))?;
+        let status = resp.status();
+        if !status.is_success() {
+            let text = resp.text().unwrap_or_default();
+            return Err(format!("HTTP {}: {}", status.as_u16(), first_line(&text)));
+        }
+        let mut last = t0;
+        let mut usage_tokens = None;
+        let mut done = false;
+        for line in BufReader::new(resp).lines() {
+            let line = line.map_err(|e| format!("stream broke: {e}"))?;
+            let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                break;
+            }
+            let v: serde_json::Value =
+                serde_json::from_str(data).map_err(|e| format!("bad SSE data: {e}"))?;
+            if let Some(e) = v.get("error") {
+                return Err(format!("server error mid-stream: {e}"));
+            }
+            if let Some(n) = v
+                .pointer("/usage/completion_tokens")
+                .and_then(|n| n.as_u64())
+            {
+                usage_tokens = Some(n as u32);
+            }
+            if let Some(n) = v.pointer("/usage/prompt_tokens").and_then(|n| n.as_u64()) {
+                rec.input_tokens = n as u32;
+            }
+            let has_text = v
+                .pointer("/choices/0/text")
+                .and_then(|t| t.as_str())
+                .is_some_and(|t| !t.is_empty());
+            if has_text {
+                note_token(rec, t0, &mut last, Instant::now());
+            }
+        }
+        if !done {
+            return Err("stream ended without [DONE]".into());
+        }
+        // A chunk can carry several tokens; the usage count is the truth.
+        if let Some(n) = usage_tokens {
+            rec.output_tokens = n;
+        }
+        Ok(())
+    }
+
+    /// Tokens the server's KV cache holds, when its metrics say.
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        self.metrics()?.kv_capacity_tokens.map(|t| t as u64)
+    }
+
+    fn metrics(&self) -> Option<envelope_telemetry::EngineState> {
+        let url = self.metrics_url.as_ref()?;
+        let text = self
+            .client
+            .get(url)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .ok()?
+            .text()
+            .ok()?;
+        envelope_telemetry::engine_state::parse_engine_state(&text).ok()
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    let l = s.lines().next().unwrap_or("");
+    &l[..l.len().min(300)]
+}
+
+/// Words that most BPE vocabularies keep whole, for text prompts.
+const WORDS: [&str; 16] = [
+    "the", "house", "river", "green", "table", "light", "water", "stone", "music", "paper",
+    "north", "horse", "bread", "glass", "cloud", "field",
+];
+
+impl Driver for HttpDriver {
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    fn send(&self, req: &LoadRequest, t0: Instant, rec: &mut RequestRecord) {
+        if let Err(e) = self.stream(req, t0, rec) {
+            rec.error = Some(e);
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let state = self.metrics();
+        let memory_bytes = match (&self.nvml, self.pid) {
+            (Some(n), _) if n.device_count() > 0 => n.sample(0, None).memory_used_bytes,
+            (_, Some(pid)) => envelope_telemetry::host::sample(Some(pid)).process_rss_bytes,
+            _ => None,
+        };
+        Snapshot {
+            kv_usage: state.as_ref().and_then(|s| s.kv_usage),
+            preemptions_total: state
+                .as_ref()
+                .and_then(|s| s.preemptions_total)
+                .map(|p| p as u64),
+            memory_bytes,
+        }
+    }
+
+    fn monitor_interval(&self) -> Duration {
+        Duration::from_millis(50)
+    }
+}

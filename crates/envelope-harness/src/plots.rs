@@ -1,0 +1,268 @@
+//! SVG plots (plotters) of one configuration: output tokens/s and ITL/TTFT
+//! p95 against concurrency (or offered rate, for open-loop sweeps), one
+//! series per bucket, with the safe point and the knee marked. Made from the
+//! profile alone, like the reports.
+
+use envelope_profile::{BucketResult, ConfigResult, ProbeSummary};
+use plotters::prelude::*;
+
+const COLORS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+];
+
+/// The x value of a probe: offered rate for open-loop probes, else concurrency.
+fn x_of(p: &ProbeSummary) -> f64 {
+    p.offered_rate_per_s.unwrap_or(p.concurrency as f64)
+}
+
+fn sorted(b: &BucketResult) -> Vec<&ProbeSummary> {
+    let mut v: Vec<&ProbeSummary> = b.probes.iter().collect();
+    v.sort_by(|a, b| x_of(a).total_cmp(&x_of(b)));
+    v
+}
+
+/// The x value of the safe point.
+fn safe_x(b: &BucketResult) -> f64 {
+    b.safe_rate_per_s.unwrap_or(b.safe_concurrency as f64)
+}
+
+type Metric = fn(&ProbeSummary) -> f64;
+
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    c: &ConfigResult,
+    title: &str,
+    y_label: &str,
+    metric: Metric,
+    x_label: &str,
+) -> Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
+    let probes = c.buckets.iter().flat_map(|b| b.probes.iter());
+    let x_max = probes.clone().map(x_of).fold(1.0, f64::max) * 1.1;
+    let y_max = probes.map(metric).fold(1e-9, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 16))
+        .margin(8)
+        .x_label_area_size(36)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .light_line_style(WHITE.mix(0.0))
+        .draw()
+        .map_err(err)?;
+    for (i, b) in c.buckets.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let pts = sorted(b);
+        let label = format!("{}x{}", b.input_tokens, b.output_tokens);
+        chart
+            .draw_series(LineSeries::new(
+                pts.iter().map(|p| (x_of(p), metric(p))),
+                color.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+        // Probes inside the SLOs filled, breaches hollow.
+        chart
+            .draw_series(pts.iter().map(|p| {
+                let style = if p.breaches.is_empty() {
+                    color.filled()
+                } else {
+                    color.stroke_width(1)
+                };
+                Circle::new((x_of(p), metric(p)), 3, style)
+            }))
+            .map_err(err)?;
+        // The safe point: a dashed vertical line in the bucket's colour.
+        let sx = safe_x(b);
+        if sx > 0.0 {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    vec![(sx, 0.0), (sx, y_max)],
+                    6,
+                    4,
+                    color.stroke_width(1),
+                ))
+                .map_err(err)?;
+            chart
+                .draw_series(std::iter::once(Text::new(
+                    "safe",
+                    (sx, y_max * (0.97 - 0.05 * i as f64)),
+                    ("sans-serif", 11).into_font().color(&color),
+                )))
+                .map_err(err)?;
+        }
+        if let Some(k) = b.knee_concurrency {
+            if let Some(p) = pts.iter().find(|p| p.concurrency == k) {
+                chart
+                    .draw_series(std::iter::once(TriangleMarker::new(
+                        (x_of(p), metric(p)),
+                        7,
+                        color.filled(),
+                    )))
+                    .map_err(err)?;
+            }
+        }
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err)?;
+    Ok(())
+}
+
+/// One SVG for a configuration: throughput, ITL p95 and TTFT p95 panels.
+pub fn config_svg(c: &ConfigResult) -> Result<String, String> {
+    let open_loop = c
+        .buckets
+        .iter()
+        .any(|b| b.probes.iter().any(|p| p.offered_rate_per_s.is_some()));
+    let x_label = if open_loop {
+        "offered rate (req/s)"
+    } else {
+        "concurrency (sequences)"
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1200, 400)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let root = root
+            .titled(
+                &format!(
+                    "{}: dashed = safe point, triangle = knee, hollow = SLO breach",
+                    c.name
+                ),
+                ("sans-serif", 18),
+            )
+            .map_err(|e| e.to_string())?;
+        let panels = root.split_evenly((1, 3));
+        panel(
+            &panels[0],
+            c,
+            "output throughput",
+            "tokens/s",
+            |p| p.output_tok_per_s,
+            x_label,
+        )?;
+        panel(&panels[1], c, "ITL p95", "ms", |p| p.itl_ms.p95, x_label)?;
+        panel(&panels[2], c, "TTFT p95", "ms", |p| p.ttft_ms.p95, x_label)?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// The file name of a configuration's plot.
+pub fn file_name(c: &ConfigResult) -> String {
+    let safe: String = c
+        .name
+        .chars()
+        .map(|ch| {
+            if ch.is_ascii_alphanumeric() || ch == '-' || ch == '_' || ch == '.' {
+                ch
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("plots/{safe}.svg")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envelope_profile::{Constraint, MemoryReport, Percentiles};
+
+    fn probe(c: u32, tok: f64, ok: bool) -> ProbeSummary {
+        ProbeSummary {
+            concurrency: c,
+            requests: 8,
+            errors: 0,
+            duration_s: 1.0,
+            ttft_ms: Percentiles {
+                p95: 10.0 * c as f64,
+                ..Default::default()
+            },
+            itl_ms: Percentiles {
+                p95: 5.0 + c as f64,
+                ..Default::default()
+            },
+            tpot_ms: Percentiles::default(),
+            e2e_ms: Percentiles::default(),
+            prefill_tok_per_s: 0.0,
+            decode_tok_per_s: tok,
+            output_tok_per_s: tok,
+            total_tok_per_s: tok,
+            request_per_s: 1.0,
+            goodput_req_per_s: 1.0,
+            offered_rate_per_s: None,
+            kv_usage_max: None,
+            preemptions: None,
+            peak_memory_bytes: None,
+            breaches: if ok {
+                vec![]
+            } else {
+                vec![Constraint::KvCache]
+            },
+            client_cpu_fraction: None,
+            valid: true,
+        }
+    }
+
+    #[test]
+    fn plots_carry_every_bucket_the_safe_point_and_the_knee() {
+        let bucket = |i: u32| BucketResult {
+            input_tokens: i,
+            output_tokens: 16,
+            feasible_concurrency: 4,
+            infeasible_concurrency: Some(5),
+            safe_concurrency: 3,
+            binding_constraint: Constraint::KvCache,
+            knee_concurrency: Some(2),
+            at_feasible: None,
+            feasible_rate_per_s: None,
+            safe_rate_per_s: None,
+            probes: vec![
+                probe(1, 100.0, true),
+                probe(2, 180.0, true),
+                probe(4, 190.0, true),
+                probe(8, 120.0, false),
+            ],
+        };
+        let c = ConfigResult {
+            name: "f32-f32-continuous".into(),
+            precision: "f32".into(),
+            kv_dtype: "f32".into(),
+            batch_policy: "continuous".into(),
+            max_num_seqs: 8,
+            memory: MemoryReport::default(),
+            buckets: vec![bucket(32), bucket(64)],
+            error: None,
+        };
+        let svg = config_svg(&c).unwrap();
+        assert!(svg.starts_with("<svg"), "{}", &svg[..100.min(svg.len())]);
+        for needle in [
+            "32x16",
+            "64x16",
+            "safe",
+            "concurrency (sequences)",
+            "ITL p95",
+        ] {
+            assert!(svg.contains(needle), "missing {needle}");
+        }
+        // Two knee triangles per panel (one per bucket), three panels.
+        assert_eq!(svg.matches("<polygon").count(), 6);
+        assert_eq!(file_name(&c), "plots/f32-f32-continuous.svg");
+    }
+}
