@@ -1,0 +1,119 @@
+//! The kernel sources in the repository's top-level `kernels/`, embedded in
+//! the binary, one concern per file, with the entry points each must export
+//! (`extern "C"` instantiations per dtype; the compile check verifies every
+//! one is in the PTX).
+
+/// One `.cu` file.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name in `kernels/`.
+    pub file: &'static str,
+    pub source: &'static str,
+    pub entries: &'static [&'static str],
+}
+
+/// Headers the kernels `#include "..."`, handed to NVRTC in memory.
+pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../../kernels/common.cuh"))];
+
+macro_rules! k {
+    ($file:literal, [$($e:literal),* $(,)?]) => {
+        KernelSource {
+            file: $file,
+            source: include_str!(concat!("../../../kernels/", $file)),
+            entries: &[$($e),*],
+        }
+    };
+}
+
+pub const KERNELS: &[KernelSource] = &[
+    k!(
+        "embedding.cu",
+        ["embedding_f32", "embedding_f16", "embedding_bf16"]
+    ),
+    k!("rmsnorm.cu", ["rmsnorm_f32", "rmsnorm_f16", "rmsnorm_bf16"]),
+    k!("rope.cu", ["rope_f32", "rope_f16", "rope_bf16"]),
+    k!(
+        "silu_mul.cu",
+        ["silu_mul_f32", "silu_mul_f16", "silu_mul_bf16"]
+    ),
+    k!(
+        "residual_add.cu",
+        ["residual_add_f32", "residual_add_f16", "residual_add_bf16"]
+    ),
+    k!(
+        "kv_append.cu",
+        [
+            "kv_append_f32_f32",
+            "kv_append_f32_f16",
+            "kv_append_f32_bf16",
+            "kv_append_f16_f16",
+            "kv_append_bf16_bf16"
+        ]
+    ),
+    k!(
+        "paged_attention.cu",
+        [
+            "paged_attention_decode_f32_f32",
+            "paged_attention_decode_f32_f16",
+            "paged_attention_decode_f32_bf16",
+            "paged_attention_decode_f16_f16",
+            "paged_attention_decode_bf16_bf16"
+        ]
+    ),
+    k!(
+        "prefill_attention.cu",
+        [
+            "prefill_attention_f32_f32",
+            "prefill_attention_f32_f16",
+            "prefill_attention_f32_bf16",
+            "prefill_attention_f16_f16",
+            "prefill_attention_bf16_bf16"
+        ]
+    ),
+    k!(
+        "dequant.cu",
+        [
+            "dequant_q4_0_f32",
+            "dequant_q4_0_f16",
+            "dequant_q4_0_bf16",
+            "dequant_q4_1_f32",
+            "dequant_q4_1_f16",
+            "dequant_q4_1_bf16",
+            "dequant_q8_0_f32",
+            "dequant_q8_0_f16",
+            "dequant_q8_0_bf16"
+        ]
+    ),
+    k!(
+        "sampling.cu",
+        [
+            "argmax_f32",
+            "argmax_f16",
+            "argmax_bf16",
+            "top_p_sample_f32",
+            "top_p_sample_f16",
+            "top_p_sample_bf16"
+        ]
+    ),
+];
+
+/// The kernel file named `file` (`rope.cu`).
+pub fn find(file: &str) -> Option<&'static KernelSource> {
+    KERNELS.iter().find(|k| k.file == file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cu_file_in_kernels_is_listed() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels");
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".cu") {
+                assert!(find(&name).is_some(), "kernels/{name} is not in KERNELS");
+            }
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! envelope's CUDA backend groundwork (issue #7): everything that can be
+//! built and tested without a GPU, so a session with one can finish the
+//! model forward pass.
+//!
+//! - [`device`]: [`Device::open`] finds the driver, NVRTC and cuBLAS and the
+//!   GPU, or returns a [`CudaError`] that names what is missing. Never a
+//!   panic: the libraries are probed with our own `dlopen` first
+//!   ([`libs`]) and cudarc calls run under `catch_unwind`.
+//! - [`kernels`] and [`compile`]: the `.cu` sources of the repository's
+//!   `kernels/`, embedded, compiled at run time by NVRTC ([`nvrtc`]) for the
+//!   device's compute capability and cached on disk.
+//! - [`geometry`]: launch geometry per kernel, block-table flattening, slot
+//!   mappings, CUDA-graph batch buckets. [`fp8`]: e4m3 scales.
+//! - [`reference`]: the CPU implementation every kernel is checked against;
+//!   [`selftest`] runs that check on a GPU (`envelope cuda-selftest`).
+//! - [`setting`]: `--device cpu|cuda[:N]|auto`.
+//!
+//! # CUDA version
+//! cudarc is built with `fallback-dynamic-loading` (no CUDA at build time)
+//! and the fixed version feature `cuda-13000`. The GPU machines this project
+//! measures on run driver 580 (CUDA 13.0) with the CUDA 13.0 toolkit and
+//! CUDA 13 pip wheels (`libcublas.so.13`, `libnvrtc.so.13`). cudarc derives
+//! the library names it looks for from the version feature, and with a 12.x
+//! feature it would look for `libcublas.so.12`, which those machines do not
+//! have. The price: a driver older than CUDA 13.0 (below 580) is not
+//! supported; such a machine gets a clear error, not a crash. The NVRTC
+//! used for the CI compile check is pinned to 13.0 as well, since PTX from a
+//! newer NVRTC does not load on an older driver.
+//!
+//! Not built yet: the CUDA model forward (cuBLAS GEMMs, weight upload, the
+//! engine's CUDA backend, CUDA graphs, the NVML-sized KV pool).
+
+pub mod compile;
+pub mod device;
+pub mod error;
+pub mod kernels;
+pub mod libs;
+pub mod nvrtc;
+
+pub use device::{Device, DeviceInfo};
+pub use error::{CudaError, Result};

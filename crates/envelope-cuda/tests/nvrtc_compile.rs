@@ -1,0 +1,57 @@
+//! The CI check that needs no GPU: every kernel in `kernels/` compiles to
+//! PTX for compute_80 (A100) and compute_90 (H100/H200) through NVRTC, and
+//! the PTX exports every entry point the crate expects.
+//!
+//! `scripts/test.sh` installs NVRTC and the CUDA headers from PyPI
+//! (`scripts/nvrtc-setup.sh`) and sets `ENVELOPE_NVRTC_LIB` and
+//! `ENVELOPE_CUDA_INCLUDE`. Without `ENVELOPE_NVRTC_LIB` the test is skipped
+//! with a printed reason; with it, any failure (a library that does not
+//! load, a missing header, a kernel that does not compile) fails the test.
+
+use envelope_cuda::compile::{include_dir, Compiler};
+use envelope_cuda::kernels::KERNELS;
+use envelope_cuda::nvrtc::Nvrtc;
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90() {
+    let Some(lib) = std::env::var_os("ENVELOPE_NVRTC_LIB") else {
+        eprintln!(
+            "SKIPPED: ENVELOPE_NVRTC_LIB is not set (scripts/test.sh sets it from scripts/nvrtc-setup.sh)"
+        );
+        return;
+    };
+    let nvrtc = Nvrtc::load_from(&lib.to_string_lossy())
+        .unwrap_or_else(|e| panic!("ENVELOPE_NVRTC_LIB is set but NVRTC does not load: {e}"));
+    let include = include_dir().unwrap_or_else(|e| panic!("{e}"));
+    // No cache: the check must exercise the compiler every time.
+    let compiler = Compiler::with(nvrtc, include, None).unwrap_or_else(|e| panic!("{e}"));
+    let (ma, mi) = compiler.nvrtc_version();
+    eprintln!("NVRTC {ma}.{mi} from {}", compiler.nvrtc.path);
+    let mut failures = Vec::new();
+    for arch in ["compute_80", "compute_90"] {
+        for k in KERNELS {
+            let t = std::time::Instant::now();
+            match compiler.compile(k, arch) {
+                Ok(c) => {
+                    for e in k.entries {
+                        if !c.ptx.contains(&format!(".entry {e}(")) {
+                            failures.push(format!(
+                                "{} ({arch}): no entry point {e} in the PTX",
+                                k.file
+                            ));
+                        }
+                    }
+                    eprintln!(
+                        "{arch} {:<22} {:>7} bytes of PTX, {} entries, {:.2}s",
+                        k.file,
+                        c.ptx.len(),
+                        k.entries.len(),
+                        t.elapsed().as_secs_f64()
+                    );
+                }
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
