@@ -12,6 +12,12 @@ echo "== fmt and clippy"
 cargo fmt --all -- --check
 cargo clippy --workspace --release --all-targets --locked -- -D warnings
 
+echo "== NVRTC from PyPI (every kernel in kernels/ must compile for sm_80 and sm_90; no GPU needed)"
+nvrtc_env=$(bash scripts/nvrtc-setup.sh)
+eval "$nvrtc_env"
+export ENVELOPE_NVRTC_LIB ENVELOPE_CUDA_INCLUDE
+echo "$nvrtc_env"
+
 echo "== cargo test"
 cargo test --release --locked --workspace
 
