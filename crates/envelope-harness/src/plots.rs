@@ -3,7 +3,7 @@
 //! series per bucket, with the safe point and the knee marked. Made from the
 //! profile alone, like the reports.
 
-use envelope_profile::{BucketResult, ConfigResult, ProbeSummary};
+use envelope_profile::{BucketResult, ConfigResult, ProbeSummary, Slo};
 use plotters::prelude::*;
 
 const COLORS: [RGBColor; 6] = [
@@ -40,11 +40,12 @@ fn panel<DB: DrawingBackend>(
     y_label: &str,
     metric: Metric,
     x_label: &str,
+    slo: Option<f64>,
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let probes = c.buckets.iter().flat_map(|b| b.probes.iter());
     let x_max = probes.clone().map(x_of).fold(1.0, f64::max) * 1.1;
-    let y_max = probes.map(metric).fold(1e-9, f64::max) * 1.15;
+    let y_max = probes.map(metric).fold(slo.unwrap_or(1e-9), f64::max) * 1.15;
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 16))
         .margin(8)
@@ -59,6 +60,24 @@ fn panel<DB: DrawingBackend>(
         .light_line_style(WHITE.mix(0.0))
         .draw()
         .map_err(err)?;
+    if let Some(limit) = slo {
+        let red = RGBColor(200, 0, 0);
+        chart
+            .draw_series(DashedLineSeries::new(
+                vec![(0.0, limit), (x_max, limit)],
+                3,
+                3,
+                red.stroke_width(1),
+            ))
+            .map_err(err)?;
+        chart
+            .draw_series(std::iter::once(Text::new(
+                "SLO",
+                (x_max * 0.9, limit),
+                ("sans-serif", 11).into_font().color(&red),
+            )))
+            .map_err(err)?;
+    }
     for (i, b) in c.buckets.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let pts = sorted(b);
@@ -117,14 +136,15 @@ fn panel<DB: DrawingBackend>(
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::LowerRight)
         .draw()
         .map_err(err)?;
     Ok(())
 }
 
-/// One SVG for a configuration: throughput, ITL p95 and TTFT p95 panels.
-pub fn config_svg(c: &ConfigResult) -> Result<String, String> {
+/// One SVG for a configuration: throughput, ITL p95 and TTFT p95 panels
+/// (the latency SLOs as red dotted lines).
+pub fn config_svg(c: &ConfigResult, slo: &Slo) -> Result<String, String> {
     let open_loop = c
         .buckets
         .iter()
@@ -155,9 +175,20 @@ pub fn config_svg(c: &ConfigResult) -> Result<String, String> {
             "tokens/s",
             |p| p.output_tok_per_s,
             x_label,
+            None,
         )?;
-        panel(&panels[1], c, "ITL p95", "ms", |p| p.itl_ms.p95, x_label)?;
-        panel(&panels[2], c, "TTFT p95", "ms", |p| p.ttft_ms.p95, x_label)?;
+        let itl = |p: &ProbeSummary| p.itl_ms.p95;
+        let ttft = |p: &ProbeSummary| p.ttft_ms.p95;
+        panel(&panels[1], c, "ITL p95", "ms", itl, x_label, slo.itl_p95_ms)?;
+        panel(
+            &panels[2],
+            c,
+            "TTFT p95",
+            "ms",
+            ttft,
+            x_label,
+            slo.ttft_p95_ms,
+        )?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
@@ -250,7 +281,11 @@ mod tests {
             buckets: vec![bucket(32), bucket(64)],
             error: None,
         };
-        let svg = config_svg(&c).unwrap();
+        let slo = Slo {
+            itl_p95_ms: Some(40.0),
+            ..Slo::default()
+        };
+        let svg = config_svg(&c, &slo).unwrap();
         assert!(svg.starts_with("<svg"), "{}", &svg[..100.min(svg.len())]);
         for needle in [
             "32x16",
@@ -258,6 +293,7 @@ mod tests {
             "safe",
             "concurrency (sequences)",
             "ITL p95",
+            "SLO",
         ] {
             assert!(svg.contains(needle), "missing {needle}");
         }

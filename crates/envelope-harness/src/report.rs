@@ -172,7 +172,7 @@ pub fn write_all(p: &Profile, dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::write(dir.join("report.md"), markdown(p))?;
     std::fs::write(dir.join("report.html"), html(p))?;
     for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
-        let svg = crate::plots::config_svg(c).map_err(std::io::Error::other)?;
+        let svg = crate::plots::config_svg(c, &p.slo).map_err(std::io::Error::other)?;
         std::fs::write(dir.join(crate::plots::file_name(c)), svg)?;
     }
     Ok(())
