@@ -269,6 +269,40 @@ impl Governor {
         Self::wake(wakes);
     }
 
+    /// Estimated wait before `demand` of `class` fits, in ms: the larger of
+    /// the KV tokens that must drain (at the measured rate) and the
+    /// sequences that must finish (a full node finishes its concurrency cap
+    /// per mean service time). `None` before anything was measured.
+    fn wait_estimate_ms(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> Option<f64> {
+        let cap = g.ledger.capacity();
+        let used = g.ledger.used();
+        let kv_excess = (g.queue.tokens_ahead_of(class) + demand.kv_tokens)
+            .saturating_sub(g.ledger.kv_headroom());
+        let seq_excess = (g.queue.seqs_ahead_of(class) + demand.seqs)
+            .saturating_sub(cap.seqs.saturating_sub(used.seqs));
+        let kv_wait = g.drain.wait_ms(now_ms, kv_excess, cap.kv_tokens);
+        let seq_wait = if seq_excess == 0 {
+            Some(0.0)
+        } else {
+            g.drain
+                .service_ms()
+                .map(|s| s * seq_excess as f64 / cap.seqs.max(1) as f64)
+        };
+        match (kv_wait, seq_wait) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Whole seconds (1..=60) until `demand` would likely fit.
+    fn retry_after(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> u64 {
+        let w = Self::wait_estimate_ms(g, now_ms, class, demand)
+            .filter(|&w| w > 0.0)
+            .or(g.drain.service_ms())
+            .unwrap_or(1000.0);
+        retry_after_from_ms(w)
+    }
+
     fn overloaded(reason: OverloadReason, retry_after_s: u64, message: String) -> GovernError {
         GovernError::Overloaded {
             reason,
@@ -293,9 +327,7 @@ impl Governor {
         let (id, rx, wait_until, wakes) = {
             let mut g = self.lock();
             if g.ladder.level() == Level::RejectNew {
-                let backlog = g.queue.queued_tokens() + ask.demand.kv_tokens;
-                let cap_kv = g.ledger.capacity().kv_tokens;
-                let ra = g.drain.retry_after_s(now_ms, backlog, cap_kv).max(2);
+                let ra = Self::retry_after(&mut g, now_ms, Class::Batch, ask.demand).max(2);
                 return Err(Self::overloaded(
                     OverloadReason::GuardRejectNew,
                     ra,
@@ -321,11 +353,7 @@ impl Governor {
                 drop(g);
                 return Ok(self.permit(&ask.tenant, ask.demand, Duration::ZERO));
             }
-            // Wait estimate: the tokens that must drain before this one fits.
-            let ahead = g.queue.tokens_ahead_of(ask.class) + ask.demand.kv_tokens;
-            let excess = ahead.saturating_sub(g.ledger.kv_headroom());
-            let cap_kv = g.ledger.capacity().kv_tokens;
-            let wait_ms = g.drain.wait_ms(now_ms, excess, cap_kv);
+            let wait_ms = Self::wait_estimate_ms(&mut g, now_ms, ask.class, ask.demand);
             let service_ms = g.drain.service_ms().unwrap_or(0.0);
             let left_ms = ask.deadline.saturating_duration_since(now).as_millis() as f64;
             if let Some(w) = wait_ms {
@@ -356,7 +384,7 @@ impl Governor {
                     (id, rx, wait_until, w)
                 }
                 Err((why, _)) => {
-                    let ra = g.drain.retry_after_s(now_ms, excess, cap_kv);
+                    let ra = Self::retry_after(&mut g, now_ms, ask.class, ask.demand);
                     return Err(Self::overloaded(
                         OverloadReason::QueueFull,
                         ra,
@@ -386,9 +414,7 @@ impl Governor {
                 };
                 if removed {
                     let mut g = self.lock();
-                    let excess = g.queue.queued_tokens() + ask.demand.kv_tokens;
-                    let cap_kv = g.ledger.capacity().kv_tokens;
-                    let ra = g.drain.retry_after_s(self.now_ms(), excess, cap_kv);
+                    let ra = Self::retry_after(&mut g, self.now_ms(), ask.class, ask.demand);
                     Err(Self::overloaded(
                         OverloadReason::QueueTimeout,
                         ra,

@@ -113,6 +113,15 @@ impl<T> AdmissionQueue<T> {
             .sum()
     }
 
+    /// Sequences queued that would be served before a new request of `class`.
+    pub fn seqs_ahead_of(&self, class: Class) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| e.class <= class)
+            .map(|e| e.demand.seqs)
+            .sum()
+    }
+
     pub fn oldest_age_ms(&self, now: Instant) -> u64 {
         self.entries
             .iter()
@@ -316,6 +325,7 @@ mod tests {
         );
         assert_eq!(q.tokens_ahead_of(Class::Interactive), 3);
         assert_eq!(q.tokens_ahead_of(Class::Batch), 4);
+        assert_eq!(q.seqs_ahead_of(Class::Interactive), 3);
     }
 
     #[test]
