@@ -33,9 +33,14 @@
 pub mod compile;
 pub mod device;
 pub mod error;
+pub mod fp8;
+pub mod geometry;
 pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
+pub mod reference;
+pub mod setting;
 
 pub use device::{Device, DeviceInfo};
 pub use error::{CudaError, Result};
+pub use setting::{select, DeviceSetting, SelectError, Selected};
