@@ -115,7 +115,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<28} {:>9} {:>8} {:>6} {:>14} {:>12} {:>12} {:>11}",
+        "{:<28} {:>9} {:>8} {:>10} {:>14} {:>12} {:>12} {:>11}",
         "config", "bucket", "feasible", "safe", "binding", "out tok/s", "ttft p95 ms", "itl p95 ms"
     );
     for c in &p.configs {
@@ -126,11 +126,14 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         for b in &c.buckets {
             let at = b.at_feasible.as_ref();
             println!(
-                "{:<28} {:>9} {:>8} {:>6} {:>14} {:>12.1} {:>12.1} {:>11.1}",
+                "{:<28} {:>9} {:>8} {:>10} {:>14} {:>12.1} {:>12.1} {:>11.1}",
                 c.name,
                 format!("{}x{}", b.input_tokens, b.output_tokens),
                 b.feasible_concurrency,
-                b.safe_concurrency,
+                match b.safe_rate_per_s {
+                    Some(r) => format!("{}@{r:.1}/s", b.safe_concurrency),
+                    None => b.safe_concurrency.to_string(),
+                },
                 b.binding_constraint.as_str(),
                 at.map_or(0.0, |a| a.output_tok_per_s),
                 at.map_or(0.0, |a| a.ttft_ms.p95),

@@ -12,7 +12,10 @@ fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
                 c.name.clone(),
                 format!("{}x{}", b.input_tokens, b.output_tokens),
                 b.feasible_concurrency.to_string(),
-                b.safe_concurrency.to_string(),
+                match b.safe_rate_per_s {
+                    Some(r) => format!("{} ({r:.2} req/s)", b.safe_concurrency),
+                    None => b.safe_concurrency.to_string(),
+                },
                 b.binding_constraint.as_str().to_string(),
                 b.knee_concurrency.map_or("-".into(), |k| k.to_string()),
                 a.map_or("-".into(), |a| format!("{:.1}", a.output_tok_per_s)),
