@@ -39,6 +39,7 @@ pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
 pub mod reference;
+pub mod selftest;
 pub mod setting;
 
 pub use device::{Device, DeviceInfo};

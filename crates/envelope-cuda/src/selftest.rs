@@ -1,0 +1,1020 @@
+//! The GPU self-test behind `envelope cuda-selftest` (and
+//! `scripts/device-check.sh`): open the device, compile every kernel with
+//! the machine's NVRTC, run each kernel on seeded random inputs and compare
+//! it with [`crate::reference`], and write `selftest.json`. It has never run
+//! on a GPU at the time of writing (no GPU was lent); the CPU side of it (the
+//! references, the comparison, the dtype rounding) is unit-tested here.
+
+use crate::compile::{include_dir, Compiler};
+use crate::device::{Device, DeviceInfo};
+use crate::error::{guarded, CudaError, Result};
+use crate::geometry::{self, Launch};
+use crate::kernels::KERNELS;
+use crate::nvrtc::Nvrtc;
+use crate::reference as r;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, PushKernelArg};
+use half::{bf16, f16};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Element types the cases run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dt {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Dt {
+    fn suffix(self) -> &'static str {
+        match self {
+            Dt::F32 => "f32",
+            Dt::F16 => "f16",
+            Dt::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A tolerance `|gpu - ref| <= atol + rtol * |ref|`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Tol {
+    pub atol: f32,
+    pub rtol: f32,
+}
+
+/// Per dtype: f32 allows accumulation-order and `expf`/`cosf` ulp
+/// differences; f16 and bf16 allow one rounding of the output (2^-11 and
+/// 2^-8 relative) plus the f32 slack, doubled for reductions.
+pub fn tolerance(dt: Dt) -> Tol {
+    match dt {
+        Dt::F32 => Tol {
+            atol: 1e-4,
+            rtol: 1e-4,
+        },
+        Dt::F16 => Tol {
+            atol: 2e-3,
+            rtol: 2e-3,
+        },
+        Dt::Bf16 => Tol {
+            atol: 1.6e-2,
+            rtol: 1.6e-2,
+        },
+    }
+}
+
+/// Rounds values through `dt` (what the GPU sees after upload).
+pub fn round(dt: Dt, x: &[f32]) -> Vec<f32> {
+    match dt {
+        Dt::F32 => x.to_vec(),
+        Dt::F16 => x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+        Dt::Bf16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+    }
+}
+
+pub fn to_bytes(dt: Dt, x: &[f32]) -> Vec<u8> {
+    match dt {
+        Dt::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dt::F16 => x
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        Dt::Bf16 => x
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+    }
+}
+
+pub fn from_bytes(dt: Dt, b: &[u8]) -> Vec<f32> {
+    match dt {
+        Dt::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dt::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dt::Bf16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    }
+}
+
+/// Largest absolute error, largest error relative to the tolerance (pass
+/// when <= 1), and the index of the worst element.
+pub fn compare(gpu: &[f32], reference: &[f32], tol: Tol) -> (f32, f32, usize) {
+    let mut worst = (0f32, 0f32, 0usize);
+    if gpu.len() != reference.len() {
+        return (f32::INFINITY, f32::INFINITY, 0);
+    }
+    for (i, (g, r)) in gpu.iter().zip(reference).enumerate() {
+        let err = (g - r).abs();
+        let ratio = if err.is_nan() {
+            f32::INFINITY
+        } else {
+            err / (tol.atol + tol.rtol * r.abs())
+        };
+        worst.0 = worst.0.max(if err.is_nan() { f32::INFINITY } else { err });
+        if ratio > worst.1 {
+            worst.1 = ratio;
+            worst.2 = i;
+        }
+    }
+    worst
+}
+
+/// splitmix64: seeded inputs without a dependency.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Uniform in [-a, a).
+    pub fn sym(&mut self, a: f32) -> f32 {
+        (self.unit() * 2.0 - 1.0) * a
+    }
+    pub fn vec(&mut self, n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|_| self.sym(a)).collect()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    /// A random permutation of 0..n.
+    pub fn perm(&mut self, n: usize) -> Vec<u32> {
+        let mut p: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            p.swap(i, self.below(i + 1));
+        }
+        p
+    }
+}
+
+/// GGUF blocks with sane f16 scales (no inf/NaN) and random quants.
+pub fn random_q_blocks(rng: &mut Rng, fmt: &str, n_blocks: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..n_blocks {
+        out.extend(f16::from_f32(rng.sym(0.05)).to_le_bytes());
+        let rest = match fmt {
+            "q4_0" => 16,
+            "q4_1" => {
+                out.extend(f16::from_f32(rng.sym(0.5)).to_le_bytes());
+                16
+            }
+            _ => 32,
+        };
+        out.extend((0..rest).map(|_| rng.next_u64() as u8));
+    }
+    out
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseResult {
+    pub case: String,
+    pub entry: String,
+    pub dtype: Dt,
+    pub tolerance: Tol,
+    pub elements: usize,
+    pub max_abs_err: f32,
+    /// Worst error over its tolerance: passes at <= 1.
+    pub max_err_over_tol: f32,
+    pub passed: bool,
+    pub note: Option<String>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompileResult {
+    pub file: String,
+    pub seconds: f64,
+    pub ptx_bytes: usize,
+    pub from_cache: bool,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Report {
+    pub device: Option<DeviceInfo>,
+    pub device_error: Option<String>,
+    pub nvrtc: Option<String>,
+    pub nvrtc_version: Option<String>,
+    pub nvrtc_error: Option<String>,
+    pub include_dir: Option<String>,
+    pub arch: Option<String>,
+    pub cublas: Option<String>,
+    pub compile: Vec<CompileResult>,
+    pub cases: Vec<CaseResult>,
+    pub passed: usize,
+    pub failed: usize,
+    /// Free-form facts the caller adds (NVML readings).
+    pub extra: serde_json::Value,
+}
+
+impl Report {
+    pub fn ok(&self) -> bool {
+        self.device.is_some()
+            && self.nvrtc_error.is_none()
+            && self.failed == 0
+            && self.passed > 0
+            && self.compile.iter().all(|c| c.error.is_none())
+    }
+}
+
+enum Arg<'a> {
+    Buf(&'a CudaSlice<u8>),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+}
+
+fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
+    move |e| CudaError::Driver {
+        call,
+        message: format!("{e:?}"),
+    }
+}
+
+impl Gpu {
+    fn up(&self, b: &[u8]) -> Result<CudaSlice<u8>> {
+        self.stream.clone_htod(b).map_err(drv("cuMemcpyHtoD"))
+    }
+    fn upf(&self, dt: Dt, x: &[f32]) -> Result<CudaSlice<u8>> {
+        self.up(&to_bytes(dt, x))
+    }
+    fn down(&self, s: &CudaSlice<u8>) -> Result<Vec<u8>> {
+        self.stream
+            .synchronize()
+            .map_err(drv("cuStreamSynchronize"))?;
+        self.stream.clone_dtoh(s).map_err(drv("cuMemcpyDtoH"))
+    }
+    fn downf(&self, dt: Dt, s: &CudaSlice<u8>) -> Result<Vec<f32>> {
+        Ok(from_bytes(dt, &self.down(s)?))
+    }
+    fn zeros(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        self.stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(drv("cuMemAlloc"))
+    }
+    fn func(&self, file: &'static str, entry: &str) -> Result<CudaFunction> {
+        let m = self.modules.get(file).ok_or_else(|| CudaError::Driver {
+            call: "module",
+            message: format!("{file} did not compile or load"),
+        })?;
+        m.load_function(entry).map_err(drv("cuModuleGetFunction"))
+    }
+    fn launch(&self, file: &'static str, entry: &str, l: Launch, args: &[Arg]) -> Result<()> {
+        let f = self.func(file, entry)?;
+        let mut b = self.stream.launch_builder(&f);
+        for a in args {
+            match a {
+                Arg::Buf(s) => b.arg(*s),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: argument lists match the kernels' signatures in kernels/.
+        unsafe { b.launch(l.to_cudarc()) }.map_err(drv("cuLaunchKernel"))?;
+        self.stream.synchronize().map_err(drv("kernel execution"))
+    }
+}
+
+fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> Vec<u8> {
+    v.iter().flat_map(|&x| f(x)).collect()
+}
+
+struct Cx<'a> {
+    gpu: &'a Gpu,
+    rng: Rng,
+    out: Vec<CaseResult>,
+}
+
+impl Cx<'_> {
+    /// Records one comparison.
+    fn check(
+        &mut self,
+        case: &str,
+        entry: &str,
+        dt: Dt,
+        gpu: Result<Vec<f32>>,
+        reference: &[f32],
+        note: Option<String>,
+    ) {
+        let tol = tolerance(dt);
+        let res = match gpu {
+            Ok(g) => {
+                let (abs, ratio, _) = compare(&g, reference, tol);
+                CaseResult {
+                    case: case.into(),
+                    entry: entry.into(),
+                    dtype: dt,
+                    tolerance: tol,
+                    elements: reference.len(),
+                    max_abs_err: abs,
+                    max_err_over_tol: ratio,
+                    passed: ratio <= 1.0,
+                    note,
+                    error: None,
+                }
+            }
+            Err(e) => CaseResult {
+                case: case.into(),
+                entry: entry.into(),
+                dtype: dt,
+                tolerance: tol,
+                elements: reference.len(),
+                max_abs_err: f32::NAN,
+                max_err_over_tol: f32::NAN,
+                passed: false,
+                note,
+                error: Some(e.to_string()),
+            },
+        };
+        self.out.push(res);
+    }
+}
+
+fn elementwise_cases(cx: &mut Cx) {
+    for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
+        let s = dt.suffix();
+        // embedding
+        let (vocab, hidden) = (100, 200);
+        let table = round(dt, &cx.rng.vec(vocab * hidden, 1.0));
+        let ids: Vec<u32> = (0..7).map(|_| cx.rng.below(vocab) as u32).collect();
+        let want = r::embedding(&ids, &table, hidden);
+        let entry = format!("embedding_{s}");
+        let got = (|| {
+            let (t, i, o) = (
+                cx.gpu.upf(dt, &table)?,
+                cx.gpu.up(&le(&ids, u32::to_le_bytes))?,
+                cx.gpu.zeros(want.len() * 4)?,
+            );
+            cx.gpu.launch(
+                "embedding.cu",
+                &entry,
+                geometry::embedding(ids.len(), hidden)?,
+                &[
+                    Arg::Buf(&i),
+                    Arg::Buf(&t),
+                    Arg::Buf(&o),
+                    Arg::I32(hidden as i32),
+                ],
+            )?;
+            Ok(cx.gpu.downf(dt, &o)?[..want.len()].to_vec())
+        })();
+        cx.check("embedding 7 of 100x200", &entry, dt, got, &want, None);
+
+        // rmsnorm
+        for hidden in [576, 4096] {
+            let rows = 5;
+            let x = round(dt, &cx.rng.vec(rows * hidden, 2.0));
+            let w = round(dt, &cx.rng.vec(hidden, 1.0));
+            let want = round(dt, &r::rmsnorm(&x, &w, 1e-5));
+            let entry = format!("rmsnorm_{s}");
+            let got = (|| {
+                let (xb, wb, o) = (
+                    cx.gpu.upf(dt, &x)?,
+                    cx.gpu.upf(dt, &w)?,
+                    cx.gpu.zeros(x.len() * 4)?,
+                );
+                cx.gpu.launch(
+                    "rmsnorm.cu",
+                    &entry,
+                    geometry::rmsnorm(rows, hidden)?,
+                    &[
+                        Arg::Buf(&xb),
+                        Arg::Buf(&wb),
+                        Arg::Buf(&o),
+                        Arg::I32(hidden as i32),
+                        Arg::F32(1e-5),
+                    ],
+                )?;
+                Ok(cx.gpu.downf(dt, &o)?[..x.len()].to_vec())
+            })();
+            cx.check(&format!("rmsnorm 5x{hidden}"), &entry, dt, got, &want, None);
+        }
+
+        // rope
+        for (interleaved, theta) in [(false, 10_000.0f32), (true, 500_000.0)] {
+            let (heads, hd) = (9, 64);
+            let pos: Vec<u32> = vec![0, 1, 5, 100, 1000, 4095];
+            let x = round(dt, &cx.rng.vec(pos.len() * heads * hd, 1.0));
+            let f = r::inv_freq(theta, hd);
+            let mut want = x.clone();
+            r::rope(&mut want, &pos, &f, heads, interleaved);
+            let want = round(dt, &want);
+            let entry = format!("rope_{s}");
+            let got = (|| {
+                let (xb, pb, fb) = (
+                    cx.gpu.upf(dt, &x)?,
+                    cx.gpu.up(&le(&pos, u32::to_le_bytes))?,
+                    cx.gpu.upf(Dt::F32, &f)?,
+                );
+                cx.gpu.launch(
+                    "rope.cu",
+                    &entry,
+                    geometry::rope(pos.len(), heads, hd)?,
+                    &[
+                        Arg::Buf(&xb),
+                        Arg::Buf(&pb),
+                        Arg::Buf(&fb),
+                        Arg::I32(pos.len() as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(interleaved as i32),
+                    ],
+                )?;
+                cx.gpu.downf(dt, &xb)
+            })();
+            let style = if interleaved {
+                "interleaved"
+            } else {
+                "half-split"
+            };
+            // Angles up to 4095 rad: cosf of a large argument differs by a
+            // few f32 ulps of the angle between implementations.
+            cx.check(
+                &format!("rope {style} theta {theta}"),
+                &entry,
+                dt,
+                got,
+                &want,
+                Some("positions up to 4095".into()),
+            );
+        }
+
+        // silu_mul and residual_add
+        let n = 10_000;
+        let (a, b) = (
+            round(dt, &cx.rng.vec(n, 6.0)),
+            round(dt, &cx.rng.vec(n, 2.0)),
+        );
+        for (file, name, want) in [
+            ("silu_mul.cu", "silu_mul", round(dt, &r::silu_mul(&a, &b))),
+            (
+                "residual_add.cu",
+                "residual_add",
+                round(dt, &r::residual_add(&a, &b)),
+            ),
+        ] {
+            let entry = format!("{name}_{s}");
+            let got = (|| {
+                let (ab, bb, o) = (
+                    cx.gpu.upf(dt, &a)?,
+                    cx.gpu.upf(dt, &b)?,
+                    cx.gpu.zeros(n * 4)?,
+                );
+                cx.gpu.launch(
+                    file,
+                    &entry,
+                    geometry::elementwise(name, n)?,
+                    &[
+                        Arg::Buf(&ab),
+                        Arg::Buf(&bb),
+                        Arg::Buf(&o),
+                        Arg::I64(n as i64),
+                    ],
+                )?;
+                Ok(cx.gpu.downf(dt, &o)?[..n].to_vec())
+            })();
+            cx.check(&format!("{name} {n}"), &entry, dt, got, &want, None);
+        }
+
+        // dequant
+        for fmt in ["q4_0", "q4_1", "q8_0"] {
+            let nb = 1000;
+            let blocks = random_q_blocks(&mut cx.rng, fmt, nb);
+            let want = round(
+                dt,
+                &match fmt {
+                    "q4_0" => r::dequant_q4_0(&blocks),
+                    "q4_1" => r::dequant_q4_1(&blocks),
+                    _ => r::dequant_q8_0(&blocks),
+                },
+            );
+            let entry = format!("dequant_{fmt}_{s}");
+            let got = (|| {
+                let (bb, o) = (cx.gpu.up(&blocks)?, cx.gpu.zeros(nb * 32 * 4)?);
+                cx.gpu.launch(
+                    "dequant.cu",
+                    &entry,
+                    geometry::dequant(nb)?,
+                    &[Arg::Buf(&bb), Arg::Buf(&o), Arg::I64(nb as i64)],
+                )?;
+                Ok(cx.gpu.downf(dt, &o)?[..nb * 32].to_vec())
+            })();
+            cx.check(
+                &format!("dequant {fmt} {nb} blocks"),
+                &entry,
+                dt,
+                got,
+                &want,
+                None,
+            );
+        }
+    }
+}
+
+/// A paged cache with scattered blocks, filled through kv_append on the GPU
+/// (checked against the reference), then read by both attention kernels.
+fn attention_cases(cx: &mut Cx) {
+    for (act, cache) in [
+        (Dt::F32, Dt::F32),
+        (Dt::F32, Dt::Bf16),
+        (Dt::Bf16, Dt::Bf16),
+    ] {
+        for hd in [64, 128] {
+            let (heads, kv_heads, bs) = (8, 2, 16);
+            let stride = kv_heads * hd;
+            let ctx: Vec<usize> = vec![1, 37, 300];
+            let q_lens: Vec<usize> = vec![1, 37, 45]; // the third: a chunk after 255 cached tokens
+            let num_blocks = 40;
+            let perm = cx.rng.perm(num_blocks);
+            let mut used = 0;
+            let tables: Vec<Vec<u32>> = ctx
+                .iter()
+                .map(|&n| {
+                    let t = perm[used..used + n.div_ceil(bs)].to_vec();
+                    used += t.len();
+                    t
+                })
+                .collect();
+            // All tokens of all sequences, appended in one kv_append call.
+            let mut slots = Vec::new();
+            for (t, &n) in tables.iter().zip(&ctx) {
+                slots.extend(geometry::slot_mapping(t, 0..n, bs).expect("tables cover ctx"));
+            }
+            slots.push(-1); // a padding token that must be skipped
+            let ntok = slots.len();
+            let k = round(act, &cx.rng.vec(ntok * stride, 1.0));
+            let v = round(act, &cx.rng.vec(ntok * stride, 1.0));
+            let cache_elems = num_blocks * bs * stride;
+            let (mut kc, mut vc) = (vec![0f32; cache_elems], vec![0f32; cache_elems]);
+            r::kv_append(&k, &v, &mut kc, &mut vc, &slots, stride);
+            let (kc, vc) = (round(cache, &kc), round(cache, &vc));
+            let entry = format!("kv_append_{}_{}", act.suffix(), cache.suffix());
+            let gpu_cache = (|| {
+                let (kb, vb) = (cx.gpu.upf(act, &k)?, cx.gpu.upf(act, &v)?);
+                let sb = cx.gpu.up(&le(&slots, i64::to_le_bytes))?;
+                let (kcb, vcb) = (
+                    cx.gpu.zeros(cache_elems * 4)?,
+                    cx.gpu.zeros(cache_elems * 4)?,
+                );
+                cx.gpu.launch(
+                    "kv_append.cu",
+                    &entry,
+                    geometry::kv_append(ntok, kv_heads, hd)?,
+                    &[
+                        Arg::Buf(&kb),
+                        Arg::Buf(&vb),
+                        Arg::Buf(&kcb),
+                        Arg::Buf(&vcb),
+                        Arg::Buf(&sb),
+                        Arg::I32(stride as i32),
+                    ],
+                )?;
+                Ok((kcb, vcb))
+            })();
+            let (kcb, vcb) = match gpu_cache {
+                Ok(c) => c,
+                Err(e) => {
+                    cx.check("kv_append", &entry, cache, Err(e), &kc, None);
+                    continue;
+                }
+            };
+            let got = cx.gpu.downf(cache, &kcb).map(|g| g[..cache_elems].to_vec());
+            cx.check(
+                &format!("kv_append {ntok} tokens hd {hd}"),
+                &entry,
+                cache,
+                got,
+                &kc,
+                None,
+            );
+            let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+            let flat = geometry::flatten_block_tables(&refs, &ctx, bs).expect("valid tables");
+            let sh = r::AttnShape {
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: hd,
+                block_size: bs,
+                max_blocks_per_seq: flat.max_blocks_per_seq,
+            };
+            let ctx_i: Vec<i32> = ctx.iter().map(|&n| n as i32).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            // The attention output is rounded to `act`; compare at the coarser of the two dtypes.
+            let tol_dt = if act == Dt::Bf16 || cache == Dt::Bf16 {
+                Dt::Bf16
+            } else {
+                Dt::F32
+            };
+            let pair = format!("{}_{}", act.suffix(), cache.suffix());
+
+            // Decode: one query per sequence (its last position).
+            let q = round(act, &cx.rng.vec(ctx.len() * heads * hd, 1.0));
+            let cu1 = geometry::cu_seqlens(&vec![1; ctx.len()]);
+            let want = round(
+                act,
+                &r::paged_attention(&q, &kc, &vc, &flat.data, &cu1, &ctx_i, sh),
+            );
+            let entry = format!("paged_attention_decode_{pair}");
+            let got = (|| {
+                let (qb, o) = (cx.gpu.upf(act, &q)?, cx.gpu.zeros(q.len() * 4)?);
+                let (bt, cl) = (
+                    cx.gpu.up(&le(&flat.data, i32::to_le_bytes))?,
+                    cx.gpu.up(&le(&ctx_i, i32::to_le_bytes))?,
+                );
+                cx.gpu.launch(
+                    "paged_attention.cu",
+                    &entry,
+                    geometry::paged_decode(ctx.len(), heads, kv_heads, hd)?,
+                    &[
+                        Arg::Buf(&o),
+                        Arg::Buf(&qb),
+                        Arg::Buf(&kcb),
+                        Arg::Buf(&vcb),
+                        Arg::Buf(&bt),
+                        Arg::Buf(&cl),
+                        Arg::I32(flat.max_blocks_per_seq as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(kv_heads as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(bs as i32),
+                        Arg::F32(scale),
+                    ],
+                )?;
+                Ok(cx.gpu.downf(act, &o)?[..q.len()].to_vec())
+            })();
+            cx.check(
+                &format!("decode attention ctx {ctx:?} hd {hd} gqa {heads}/{kv_heads}"),
+                &entry,
+                tol_dt,
+                got,
+                &want,
+                None,
+            );
+
+            // Prefill: whole prompts and a chunk after cached context.
+            let total_q: usize = q_lens.iter().sum();
+            let q = round(act, &cx.rng.vec(total_q * heads * hd, 1.0));
+            let cu = geometry::cu_seqlens(&q_lens);
+            let want = round(
+                act,
+                &r::paged_attention(&q, &kc, &vc, &flat.data, &cu, &ctx_i, sh),
+            );
+            let entry = format!("prefill_attention_{pair}");
+            let got = (|| {
+                let (qb, o) = (cx.gpu.upf(act, &q)?, cx.gpu.zeros(q.len() * 4)?);
+                let (bt, cl, cub) = (
+                    cx.gpu.up(&le(&flat.data, i32::to_le_bytes))?,
+                    cx.gpu.up(&le(&ctx_i, i32::to_le_bytes))?,
+                    cx.gpu.up(&le(&cu, i32::to_le_bytes))?,
+                );
+                let max_q = *q_lens.iter().max().unwrap_or(&1);
+                cx.gpu.launch(
+                    "prefill_attention.cu",
+                    &entry,
+                    geometry::prefill(ctx.len(), max_q, heads, kv_heads, hd)?,
+                    &[
+                        Arg::Buf(&o),
+                        Arg::Buf(&qb),
+                        Arg::Buf(&kcb),
+                        Arg::Buf(&vcb),
+                        Arg::Buf(&bt),
+                        Arg::Buf(&cub),
+                        Arg::Buf(&cl),
+                        Arg::I32(flat.max_blocks_per_seq as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(kv_heads as i32),
+                        Arg::I32(hd as i32),
+                        Arg::I32(bs as i32),
+                        Arg::F32(scale),
+                    ],
+                )?;
+                Ok(cx.gpu.downf(act, &o)?[..q.len()].to_vec())
+            })();
+            cx.check(
+                &format!("prefill attention q {q_lens:?} ctx {ctx:?} hd {hd}"),
+                &entry,
+                tol_dt,
+                got,
+                &want,
+                None,
+            );
+        }
+    }
+}
+
+fn sampling_cases(cx: &mut Cx) {
+    let (rows, vocab) = (4, 49_152);
+    let mut logits = cx.rng.vec(rows * vocab, 8.0);
+    // A tie on row 0: the lower index must win.
+    logits[100] = 50.0;
+    logits[200] = 50.0;
+    let want: Vec<f32> = logits.chunks(vocab).map(|l| r::argmax(l) as f32).collect();
+    let got = (|| {
+        let (lb, o) = (cx.gpu.upf(Dt::F32, &logits)?, cx.gpu.zeros(rows * 4)?);
+        cx.gpu.launch(
+            "sampling.cu",
+            "argmax_f32",
+            geometry::sampling(rows)?,
+            &[Arg::Buf(&lb), Arg::Buf(&o), Arg::I32(vocab as i32)],
+        )?;
+        let b = cx.gpu.down(&o)?;
+        Ok(b.chunks_exact(4)
+            .take(rows)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
+            .collect())
+    })();
+    cx.check(
+        "argmax 4x49152 with a tie",
+        "argmax_f32",
+        Dt::F32,
+        got,
+        &want,
+        None,
+    );
+
+    let (temp, top_p) = (0.8f32, 0.9f32);
+    let u: Vec<f32> = (0..rows).map(|_| cx.rng.unit()).collect();
+    let refs: Vec<r::TopP> = logits
+        .chunks(vocab)
+        .zip(&u)
+        .map(|(l, &u)| r::top_p_sample(l, temp, top_p, u))
+        .collect();
+    let got = (|| {
+        let (lb, ub, o) = (
+            cx.gpu.upf(Dt::F32, &logits)?,
+            cx.gpu.upf(Dt::F32, &u)?,
+            cx.gpu.zeros(rows * 4)?,
+        );
+        cx.gpu.launch(
+            "sampling.cu",
+            "top_p_sample_f32",
+            geometry::sampling(rows)?,
+            &[
+                Arg::Buf(&lb),
+                Arg::Buf(&o),
+                Arg::I32(vocab as i32),
+                Arg::F32(temp),
+                Arg::F32(top_p),
+                Arg::Buf(&ub),
+            ],
+        )?;
+        let b = cx.gpu.down(&o)?;
+        Ok(b.chunks_exact(4)
+            .take(rows)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect::<Vec<u32>>())
+    })();
+    // Sums in a different order can move a boundary: a GPU token counts as
+    // right when it is in the reference's nucleus (0.1% slack on the
+    // threshold); exact agreement is reported in the note.
+    let (gpu, note) = match got {
+        Ok(toks) => {
+            let exact = toks
+                .iter()
+                .zip(&refs)
+                .filter(|(t, r)| **t == r.token)
+                .count();
+            let inside: Vec<f32> = toks
+                .iter()
+                .zip(&refs)
+                .map(|(&t, r)| {
+                    let ok = (t as usize) < vocab && r.weights[t as usize] >= r.threshold * 0.999;
+                    if ok {
+                        r.token as f32
+                    } else {
+                        t as f32
+                    }
+                })
+                .collect();
+            (
+                Ok(inside),
+                Some(format!(
+                    "{exact}/{rows} tokens equal to the reference; the rest inside its nucleus"
+                )),
+            )
+        }
+        Err(e) => (Err(e), None),
+    };
+    let want: Vec<f32> = refs.iter().map(|r| r.token as f32).collect();
+    cx.check(
+        "top-p 4x49152 T 0.8 p 0.9",
+        "top_p_sample_f32",
+        Dt::F32,
+        gpu,
+        &want,
+        note,
+    );
+}
+
+/// Runs the whole self-test on device `ordinal` and writes
+/// `out_dir/selftest.json`. Each stage's failure is recorded, not fatal.
+pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
+    let mut rep = Report {
+        extra,
+        ..Report::default()
+    };
+    let device = match Device::open_driver(ordinal) {
+        Ok(d) => d,
+        Err(e) => {
+            rep.device_error = Some(e.to_string());
+            write(out_dir, &rep);
+            return rep;
+        }
+    };
+    rep.device = Some(device.info.clone());
+    let arch = device.arch();
+    rep.arch = Some(arch.clone());
+    rep.cublas = Some(
+        match crate::libs::probe(crate::libs::CudaLib::CublasLt)
+            .and_then(|_| crate::libs::probe(crate::libs::CudaLib::Cublas))
+            .and_then(|p| {
+                guarded("cublasCreate", || {
+                    cudarc::cublas::CudaBlas::new(device.ctx.default_stream())
+                })?
+                .map(|_| p)
+                .map_err(|e| CudaError::Driver {
+                    call: "cublasCreate",
+                    message: format!("{e:?}"),
+                })
+            }) {
+            Ok(p) => format!("ok: handle created ({p})"),
+            Err(e) => format!("unavailable: {e}"),
+        },
+    );
+    let compiler = Nvrtc::load().and_then(|n| {
+        rep.nvrtc = Some(n.path.clone());
+        Compiler::with(n, include_dir()?, crate::compile::cache_dir())
+    });
+    let compiler = match compiler {
+        Ok(c) => c,
+        Err(e) => {
+            rep.nvrtc_error = Some(format!(
+                "{e} (this machine cannot compile the kernels, so none ran)"
+            ));
+            write(out_dir, &rep);
+            return rep;
+        }
+    };
+    let (ma, mi) = compiler.nvrtc_version();
+    rep.nvrtc_version = Some(format!("{ma}.{mi}"));
+    rep.include_dir = Some(compiler.include.display().to_string());
+    let stream = device.ctx.default_stream();
+    let mut modules = HashMap::new();
+    for k in KERNELS {
+        let t = std::time::Instant::now();
+        let res = compiler.compile(k, &arch).and_then(|c| {
+            let m = guarded("cuModuleLoadData", || {
+                device
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(c.ptx.clone()))
+            })?
+            .map_err(drv("cuModuleLoadData"))?;
+            modules.insert(k.file, m);
+            Ok(c)
+        });
+        rep.compile.push(CompileResult {
+            file: k.file.into(),
+            seconds: t.elapsed().as_secs_f64(),
+            ptx_bytes: res.as_ref().map(|c| c.ptx.len()).unwrap_or(0),
+            from_cache: res.as_ref().map(|c| c.from_cache).unwrap_or(false),
+            error: res.err().map(|e| e.to_string()),
+        });
+    }
+    let gpu = Gpu { stream, modules };
+    let mut cx = Cx {
+        gpu: &gpu,
+        rng: Rng::new(0x5EED_0007),
+        out: Vec::new(),
+    };
+    type CaseFn = fn(&mut Cx);
+    let groups: [(&str, CaseFn); 3] = [
+        ("elementwise", elementwise_cases),
+        ("attention", attention_cases),
+        ("sampling", sampling_cases),
+    ];
+    for (name, f) in groups {
+        if let Err(e) = guarded("self-test cases", || f(&mut cx)) {
+            cx.out.push(CaseResult {
+                case: format!("{name} (aborted)"),
+                entry: String::new(),
+                dtype: Dt::F32,
+                tolerance: tolerance(Dt::F32),
+                elements: 0,
+                max_abs_err: f32::NAN,
+                max_err_over_tol: f32::NAN,
+                passed: false,
+                note: None,
+                error: Some(e.to_string()),
+            });
+        }
+    }
+    rep.cases = cx.out;
+    rep.passed = rep.cases.iter().filter(|c| c.passed).count();
+    rep.failed = rep.cases.len() - rep.passed;
+    write(out_dir, &rep);
+    rep
+}
+
+fn write(out_dir: &Path, rep: &Report) {
+    let _ = std::fs::create_dir_all(out_dir);
+    if let Ok(text) = serde_json::to_string_pretty(rep) {
+        let _ = std::fs::write(out_dir.join("selftest.json"), text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_bytes_round_trip_and_round() {
+        let x = [1.0f32, -2.5, 0.1, 3.0e4];
+        for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
+            assert_eq!(from_bytes(dt, &to_bytes(dt, &x)), round(dt, &x));
+        }
+        assert_eq!(round(Dt::Bf16, &[0.1])[0], bf16::from_f32(0.1).to_f32());
+        assert_eq!(to_bytes(Dt::Bf16, &x).len(), 8);
+    }
+
+    #[test]
+    fn compare_uses_the_stated_tolerance() {
+        let t = Tol {
+            atol: 0.1,
+            rtol: 0.0,
+        };
+        let (abs, ratio, i) = compare(&[1.0, 2.05, 3.0], &[1.0, 2.0, 3.0], t);
+        assert!((abs - 0.05).abs() < 1e-6 && ratio < 1.0 && i == 1);
+        assert!(compare(&[1.0, 2.5], &[1.0, 2.0], t).1 > 1.0);
+        assert!(compare(&[f32::NAN], &[1.0], t).1.is_infinite());
+        assert!(compare(&[1.0], &[1.0, 2.0], t).1.is_infinite());
+    }
+
+    #[test]
+    fn rounding_the_reference_output_stays_inside_the_tolerance() {
+        // One output rounding (what the GPU adds over the f32 reference)
+        // must fit each dtype's tolerance, or the self-test could never pass.
+        let mut rng = Rng::new(3);
+        let x = rng.vec(10_000, 100.0);
+        for dt in [Dt::F16, Dt::Bf16] {
+            let (_, ratio, _) = compare(&round(dt, &x), &x, tolerance(dt));
+            assert!(ratio <= 1.0, "{dt:?} {ratio}");
+        }
+    }
+
+    #[test]
+    fn random_blocks_are_well_formed() {
+        let mut rng = Rng::new(1);
+        for (fmt, bytes) in [("q4_0", 18), ("q4_1", 20), ("q8_0", 34)] {
+            let b = random_q_blocks(&mut rng, fmt, 10);
+            assert_eq!(b.len(), 10 * bytes);
+            let w = match fmt {
+                "q4_0" => r::dequant_q4_0(&b),
+                "q4_1" => r::dequant_q4_1(&b),
+                _ => r::dequant_q8_0(&b),
+            };
+            assert!(w.iter().all(|v| v.is_finite()) && w.len() == 320);
+        }
+        let p = rng.perm(50);
+        let mut s = p.clone();
+        s.sort();
+        assert_eq!(s, (0..50).collect::<Vec<u32>>());
+    }
+
+    /// The whole self-test on this machine: without a driver it writes a
+    /// report that says why, and does not panic.
+    #[test]
+    fn without_a_gpu_the_report_says_why() {
+        let dir = std::env::temp_dir().join(format!("envelope-selftest-{}", std::process::id()));
+        let rep = run(0, &dir, serde_json::json!({}));
+        let text = std::fs::read_to_string(dir.join("selftest.json")).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        if rep.device.is_none() {
+            assert!(!rep.ok());
+            assert!(text.contains("libcuda.so"), "{text}");
+        }
+    }
+}
