@@ -64,7 +64,7 @@ pub struct GovernArgs {
     /// Largest request body, bytes (default 8 MiB).
     #[arg(long, env = "ENVELOPE_GOVERN_MAX_BODY_BYTES")]
     pub max_body_bytes: Option<usize>,
-    /// Time to the upstream's response headers, ms (default 60000).
+    /// Time to the upstream's response headers, ms (default 600000; bounds a whole non-streaming generation).
     #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM_TIMEOUT_MS")]
     pub upstream_timeout_ms: Option<u64>,
     /// Longest silence inside an upstream response, ms (default 60000).

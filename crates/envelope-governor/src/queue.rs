@@ -156,6 +156,11 @@ impl<T> AdmissionQueue<T> {
         if self.queued_tokens + demand.kv_tokens > self.max_tokens {
             return Err((QueueFull::Tokens, payload));
         }
+        if self.vtime.len() > 4 * self.max_len.max(16) {
+            // Bounded memory under many tenant names: forget idle tenants.
+            let active: Vec<String> = self.entries.iter().map(|e| e.tenant.clone()).collect();
+            self.vtime.retain(|k, _| active.contains(k));
+        }
         if !self.entries.iter().any(|e| e.tenant == tenant) {
             // Lift a returning tenant to the current minimum.
             let floor = self.min_active_vtime().unwrap_or(0.0);
@@ -472,6 +477,18 @@ mod tests {
         ledger.release("x", d(50));
         let p = q.pump(|e| ledger.reserve(&e.tenant, e.demand));
         assert_eq!(p.granted.len(), 2);
+    }
+
+    #[test]
+    fn tenant_bookkeeping_stays_bounded() {
+        let now = Instant::now();
+        let mut q = AdmissionQueue::new(2, 1_000_000, HashMap::new());
+        for i in 0..1000 {
+            let name = format!("t{i}");
+            q.push(&name, Class::Batch, now, now, d(1), "x").unwrap();
+            let _ = q.pump(|_| Ok(()));
+        }
+        assert!(q.vtime.len() <= 4 * 16 + 1, "{}", q.vtime.len());
     }
 
     #[test]

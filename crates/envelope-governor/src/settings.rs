@@ -152,7 +152,8 @@ pub struct Settings {
     pub batch_deadline_ms: u64,
     pub max_body_bytes: usize,
     pub body_timeout_ms: u64,
-    /// Upstream: time to response headers; streams then run without a total limit.
+    /// Upstream: time to response headers (a non-streaming answer sends them
+    /// when it is done, so this bounds its whole generation).
     pub upstream_timeout_ms: u64,
     /// Longest gap between chunks of an upstream response before it counts as hung.
     pub upstream_idle_timeout_ms: u64,
@@ -176,7 +177,7 @@ impl Settings {
             batch_deadline_ms: 300_000,
             max_body_bytes: 8 << 20,
             body_timeout_ms: 30_000,
-            upstream_timeout_ms: 60_000,
+            upstream_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 60_000,
             tenants: TenantsFile::default(),
             ladder: LadderConfig::default(),
