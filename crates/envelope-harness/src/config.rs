@@ -1,6 +1,7 @@
 //! `bench-configs/*.toml`: parsed, then validated into settings that cannot
 //! be invalid. Every error names the file and the field.
 
+use crate::load::Prompts;
 use envelope_engine::{BatchPolicy, KvDtype, Precision};
 use envelope_profile::Slo;
 use serde::Deserialize;
@@ -23,6 +24,9 @@ pub struct TargetConfig {
     pub model: Option<String>,
     /// Engine KV pool, e.g. `256MiB` (engine; `{kv_cache_bytes}` for launch).
     pub kv_cache_bytes: Option<String>,
+    /// engine: `cpu` (default), `cuda`, `cuda:N` or `auto`, as `--device`
+    /// (the binary parses and resolves it).
+    pub device: Option<String>,
     #[serde(default = "default_block_size")]
     pub block_size: usize,
     /// http: the server, e.g. `http://127.0.0.1:8000`; launch: where the
@@ -137,6 +141,9 @@ pub struct LoadConfig {
     /// poisson: requests per probe = max(min_requests, rate x duration_s).
     #[serde(default = "ten")]
     pub duration_s: f64,
+    /// A dataset of prompts (one per line, or JSON lines with `prompt`)
+    /// instead of synthetic token sequences.
+    pub dataset: Option<String>,
 }
 
 fn closed() -> String {
@@ -168,6 +175,7 @@ impl Default for LoadConfig {
             rate_min_per_s: 1.0,
             rate_max_per_s: 64.0,
             duration_s: 10.0,
+            dataset: None,
         }
     }
 }
@@ -253,6 +261,8 @@ pub struct BenchConfig {
     pub target: Target,
     pub http: HttpClientConfig,
     pub model: String,
+    /// `target.device` as written (engine target only; see [`TargetConfig`]).
+    pub device: Option<String>,
     pub kv_cache_bytes: usize,
     pub block_size: usize,
     pub points: Vec<MatrixPoint>,
@@ -262,6 +272,7 @@ pub struct BenchConfig {
     pub concurrency_min: u32,
     pub concurrency_max: u32,
     pub load: LoadConfig,
+    pub prompts: Prompts,
     pub slo: Slo,
 }
 
@@ -454,6 +465,12 @@ impl BenchConfig {
         if raw.load.rounds == 0 {
             return Err(err("load.rounds must be at least 1".into()));
         }
+        let prompts = match &l.dataset {
+            None => Prompts::Synthetic,
+            Some(d) => {
+                Prompts::from_file(Path::new(d)).map_err(|e| err(format!("load.dataset: {e}")))?
+            }
+        };
         let s = &raw.slo;
         if !(0.0..1.0).contains(&s.headroom) {
             return Err(err(format!(
@@ -471,6 +488,7 @@ impl BenchConfig {
             target,
             http,
             model,
+            device: t.device.clone(),
             kv_cache_bytes,
             block_size: t.block_size,
             points,
@@ -479,7 +497,8 @@ impl BenchConfig {
             buckets,
             concurrency_min: m.concurrency_min,
             concurrency_max: m.concurrency_max,
-            load: raw.load,
+            load: raw.load.clone(),
+            prompts,
             slo: raw.slo,
         })
     }

@@ -22,6 +22,10 @@ impl Driver for EngineDriver {
         self.engine.info.model.config.vocab_size
     }
 
+    fn tokenize(&self, text: &str) -> Option<Vec<u32>> {
+        self.engine.tokenizer.encode(text).ok()
+    }
+
     fn send(&self, req: &LoadRequest, t0: Instant, rec: &mut RequestRecord) {
         let g = GenerateRequest {
             prompt_tokens: req.prompt_tokens.clone(),
@@ -135,9 +139,10 @@ impl HttpDriver {
     }
 
     fn body(&self, req: &LoadRequest) -> serde_json::Value {
-        let prompt = match self.prompt_format {
-            PromptFormat::Tokens => serde_json::json!(req.prompt_tokens),
-            PromptFormat::Text => serde_json::json!(req
+        let prompt = match (&req.prompt_text, self.prompt_format) {
+            (Some(text), _) => serde_json::json!(text),
+            (None, PromptFormat::Tokens) => serde_json::json!(req.prompt_tokens),
+            (None, PromptFormat::Text) => serde_json::json!(req
                 .prompt_tokens
                 .iter()
                 .map(|t| WORDS[*t as usize % WORDS.len()])

@@ -28,7 +28,65 @@ pub struct RequestRecord {
 #[derive(Debug, Clone)]
 pub struct LoadRequest {
     pub prompt_tokens: Vec<u32>,
+    /// A dataset prompt for a target that takes text and has no tokenizer
+    /// here (http, launch): sent as is; its length is the server's count.
+    pub prompt_text: Option<String>,
     pub output_tokens: u32,
+}
+
+/// Where prompts come from.
+#[derive(Debug, Clone, Default)]
+pub enum Prompts {
+    /// Token ids of exactly the bucket's input length.
+    #[default]
+    Synthetic,
+    /// Texts from a dataset file, taken in turn.
+    Dataset(Arc<Vec<String>>),
+}
+
+impl Prompts {
+    /// Reads a dataset: one prompt per line, or JSON lines with a `prompt`
+    /// (or `text`) string field. Blank lines are skipped.
+    pub fn from_file(path: &std::path::Path) -> Result<Prompts, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut out = vec![];
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if line.starts_with('{') {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?;
+                let p = v
+                    .get("prompt")
+                    .or_else(|| v.get("text"))
+                    .and_then(|p| p.as_str())
+                    .ok_or_else(|| {
+                        format!(
+                            "{}:{}: a JSON line needs a string `prompt` or `text`",
+                            path.display(),
+                            i + 1
+                        )
+                    })?;
+                out.push(p.to_string());
+            } else {
+                out.push(line.to_string());
+            }
+        }
+        if out.is_empty() {
+            return Err(format!("{}: no prompts", path.display()));
+        }
+        Ok(Prompts::Dataset(Arc::new(out)))
+    }
+}
+
+/// Fits `tokens` to exactly `n`: cut, or repeated from the start.
+pub fn fit_tokens(tokens: &[u32], n: usize) -> Vec<u32> {
+    if tokens.is_empty() {
+        return vec![];
+    }
+    tokens.iter().copied().cycle().take(n).collect()
 }
 
 /// What the monitor reads from the server while a probe runs; `None` where
@@ -46,6 +104,11 @@ pub struct Snapshot {
 pub trait Driver: Send + Sync {
     /// Token ids of synthetic prompts stay below this.
     fn vocab_size(&self) -> usize;
+    /// The served model's token ids for `text`, where this side has its
+    /// tokenizer (the embedded engine); `None` otherwise.
+    fn tokenize(&self, _text: &str) -> Option<Vec<u32>> {
+        None
+    }
     /// Sends one request and blocks until it ends. `rec` gets TTFT and
     /// inter-token gaps (relative to `t0`, the submission), output tokens,
     /// preemptions and errors.
@@ -186,9 +249,30 @@ impl InFlight {
     }
 }
 
-fn request(driver: &dyn Driver, bucket: Bucket, salt: u64) -> LoadRequest {
+fn request(
+    driver: &dyn Driver,
+    prompts: &Prompts,
+    bucket: Bucket,
+    n: u64,
+    salt: u64,
+) -> LoadRequest {
+    let input = bucket.input_tokens as usize;
+    let synthetic = || synthetic_prompt(input, driver.vocab_size(), salt.wrapping_add(n));
+    let (prompt_tokens, prompt_text) = match prompts {
+        Prompts::Synthetic => (synthetic(), None),
+        Prompts::Dataset(texts) => {
+            let text = &texts[(n as usize) % texts.len()];
+            match driver.tokenize(text) {
+                // Real text, fitted to the bucket's exact input length.
+                Some(t) if !t.is_empty() => (fit_tokens(&t, input), None),
+                Some(_) => (synthetic(), None),
+                None => (vec![], Some(text.clone())),
+            }
+        }
+    };
     LoadRequest {
-        prompt_tokens: synthetic_prompt(bucket.input_tokens as usize, driver.vocab_size(), salt),
+        prompt_tokens,
+        prompt_text,
         output_tokens: bucket.output_tokens,
     }
 }
@@ -247,6 +331,7 @@ fn client_cpu(driver: &dyn Driver) -> Option<f64> {
 /// `concurrency` workers send `total_requests` between them, all starting together.
 pub fn closed_loop(
     driver: &Arc<dyn Driver>,
+    prompts: &Prompts,
     bucket: Bucket,
     concurrency: u32,
     total_requests: u32,
@@ -261,8 +346,9 @@ pub fn closed_loop(
     let monitor = Monitor::start(driver, &in_flight, start);
     let workers: Vec<_> = (0..concurrency)
         .map(|w| {
-            let (d, issued, gap, in_flight, barrier) = (
+            let (d, prompts, issued, gap, in_flight, barrier) = (
                 driver.clone(),
+                prompts.clone(),
                 issued.clone(),
                 gap.clone(),
                 in_flight.clone(),
@@ -277,7 +363,7 @@ pub fn closed_loop(
                     if n >= total_requests as u64 {
                         return out;
                     }
-                    let req = request(&*d, bucket, salt.wrapping_add(n));
+                    let req = request(&*d, &prompts, bucket, n, salt);
                     if let Some(e) = last_end {
                         let g = e.elapsed().as_secs_f64();
                         let mut m = gap.lock().unwrap_or_else(|e| e.into_inner());
@@ -305,6 +391,7 @@ pub fn closed_loop(
 /// thread, so a slow server does not slow the arrivals.
 pub fn open_loop(
     driver: &Arc<dyn Driver>,
+    prompts: &Prompts,
     bucket: Bucket,
     rate_per_s: f64,
     total_requests: u32,
@@ -328,7 +415,7 @@ pub fn open_loop(
         } else if now_s - due_s > late_after_s {
             late += 1;
         }
-        let req = request(&**driver, bucket, salt.wrapping_add(n as u64));
+        let req = request(&**driver, prompts, bucket, n as u64, salt);
         let (d, in_flight) = (driver.clone(), in_flight.clone());
         threads.push(std::thread::spawn(move || {
             timed(&*d, &req, n, start, &in_flight)
@@ -340,4 +427,107 @@ pub fn open_loop(
     run.offered_rate_per_s = Some(rate_per_s);
     monitor.finish(&**driver, &mut run);
     run
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn datasets_read_lines_and_json_lines_and_name_bad_lines() {
+        let dir = std::env::temp_dir().join(format!("envelope-prompts-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("p.jsonl");
+        std::fs::write(
+            &f,
+            "plain prompt\n\n{\"prompt\": \"json prompt\"}\n{\"text\": \"t\"}\n",
+        )
+        .unwrap();
+        match Prompts::from_file(&f).unwrap() {
+            Prompts::Dataset(p) => assert_eq!(*p, vec!["plain prompt", "json prompt", "t"]),
+            Prompts::Synthetic => panic!("a dataset"),
+        }
+        std::fs::write(&f, "ok\n{\"messages\": []}\n").unwrap();
+        let e = Prompts::from_file(&f).unwrap_err();
+        assert!(e.contains("p.jsonl:2") && e.contains("prompt"), "{e}");
+        std::fs::write(&f, "\n\n").unwrap();
+        assert!(Prompts::from_file(&f).unwrap_err().contains("no prompts"));
+        assert!(Prompts::from_file(&dir.join("missing")).is_err());
+    }
+
+    /// Records what it is sent; tokenizes bytes when asked to.
+    struct Recorder {
+        tokenizes: bool,
+        seen: Mutex<Vec<LoadRequest>>,
+    }
+
+    impl Driver for Recorder {
+        fn vocab_size(&self) -> usize {
+            1000
+        }
+        fn tokenize(&self, text: &str) -> Option<Vec<u32>> {
+            self.tokenizes
+                .then(|| text.bytes().map(u32::from).collect())
+        }
+        fn send(&self, req: &LoadRequest, _t0: Instant, rec: &mut RequestRecord) {
+            rec.output_tokens = req.output_tokens;
+            self.seen.lock().unwrap().push(req.clone());
+        }
+        fn snapshot(&self) -> Snapshot {
+            Snapshot::default()
+        }
+    }
+
+    #[test]
+    fn dataset_prompts_reach_the_driver_as_tokens_or_as_text() {
+        let data = Prompts::Dataset(Arc::new(vec!["ab".into(), "xyz".into()]));
+        let bucket = Bucket {
+            input_tokens: 5,
+            output_tokens: 2,
+        };
+        for tokenizes in [true, false] {
+            let r = Arc::new(Recorder {
+                tokenizes,
+                seen: Mutex::new(vec![]),
+            });
+            let d: Arc<dyn Driver> = r.clone();
+            let run = closed_loop(&d, &data, bucket, 2, 4, 0);
+            assert_eq!(run.records.len(), 4);
+            let mut seen = r.seen.lock().unwrap().clone();
+            seen.sort_by_key(|q| (q.prompt_tokens.clone(), q.prompt_text.clone()));
+            if tokenizes {
+                // Each text twice, its bytes repeated to exactly 5 tokens.
+                let ab: Vec<u32> = b"ababa".iter().map(|&b| b as u32).collect();
+                let xyz: Vec<u32> = b"xyzxy".iter().map(|&b| b as u32).collect();
+                let got: Vec<_> = seen.iter().map(|q| q.prompt_tokens.clone()).collect();
+                assert_eq!(got, vec![ab.clone(), ab, xyz.clone(), xyz]);
+            } else {
+                let got: Vec<_> = seen
+                    .iter()
+                    .map(|q| q.prompt_text.clone().unwrap())
+                    .collect();
+                assert_eq!(got, vec!["ab", "ab", "xyz", "xyz"]);
+                assert!(seen.iter().all(|q| q.prompt_tokens.is_empty()));
+            }
+        }
+        // Synthetic prompts: exact length, no text.
+        let r = Arc::new(Recorder {
+            tokenizes: true,
+            seen: Mutex::new(vec![]),
+        });
+        let d: Arc<dyn Driver> = r.clone();
+        open_loop(&d, &Prompts::Synthetic, bucket, 200.0, 3, 1);
+        let seen = r.seen.lock().unwrap();
+        assert_eq!(seen.len(), 3);
+        assert!(seen
+            .iter()
+            .all(|q| q.prompt_tokens.len() == 5 && q.prompt_text.is_none()));
+    }
+
+    #[test]
+    fn dataset_tokens_are_fitted_to_the_exact_length() {
+        assert_eq!(fit_tokens(&[1, 2, 3], 7), vec![1, 2, 3, 1, 2, 3, 1]);
+        assert_eq!(fit_tokens(&[1, 2, 3], 2), vec![1, 2]);
+        assert!(fit_tokens(&[], 4).is_empty());
+    }
 }

@@ -492,10 +492,10 @@ fn run_point(
             let run = if open_loop_mode {
                 let total =
                     ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests);
-                open_loop(&session.driver, *bucket, rate, total, salt)
+                open_loop(&session.driver, &cfg.prompts, *bucket, rate, total, salt)
             } else {
                 let total = (k * cfg.load.rounds).max(cfg.load.min_requests);
-                closed_loop(&session.driver, *bucket, k, total, salt)
+                closed_loop(&session.driver, &cfg.prompts, *bucket, k, total, salt)
             };
             let probe_id = ctx.probes_total;
             ctx.probes_total += 1;

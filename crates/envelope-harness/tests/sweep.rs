@@ -5,7 +5,7 @@
 use envelope_engine::{EngineConfig, EngineHandle, KvBudget, LoadOptions, SchedulerConfig};
 use envelope_harness::config::Bucket;
 use envelope_harness::driver::EngineDriver;
-use envelope_harness::load::{closed_loop, Driver};
+use envelope_harness::load::{closed_loop, Driver, Prompts};
 use envelope_harness::sweep::summarise;
 use envelope_harness::{run_sweep, BenchConfig};
 use envelope_profile::capacity::{max_sequences_by_tokens, with_headroom};
@@ -149,6 +149,7 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     let driver: Arc<dyn Driver> = Arc::new(EngineDriver { engine: e });
     let run = closed_loop(
         &driver,
+        &Prompts::Synthetic,
         Bucket {
             input_tokens: 32,
             output_tokens: 16,
@@ -176,4 +177,48 @@ fn two_sweeps_agree_within_one_step() {
         );
         assert!((sx - sy).abs() <= 1, "{}: {sx} vs {sy}", x.name);
     }
+}
+
+#[test]
+fn dataset_prompts_are_tokenized_and_fitted_to_the_bucket() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("envelope-dataset-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("prompts.txt");
+    std::fs::write(
+        &data,
+        "The quick brown fox.\n{\"prompt\": \"Jumps over the lazy dog, twice.\"}\n",
+    )
+    .unwrap();
+    let text = format!(
+        r#"
+[target]
+kind = "engine"
+model = "dummy:tiny"
+[matrix]
+precisions = ["f32"]
+batch_policies = ["continuous"]
+buckets = ["40x4"]
+concurrency_max = 2
+[load]
+dataset = "{}"
+"#,
+        data.display()
+    );
+    let cfg = BenchConfig::parse(&text, Path::new("dataset.toml")).unwrap();
+    let out = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {});
+    assert!(out.profile.configs[0].error.is_none());
+    assert!(!out.requests.is_empty());
+    for r in &out.requests {
+        assert_eq!((r.input_tokens, r.output_tokens), (40, 4), "{r:?}");
+        assert!(r.error.is_empty());
+    }
+    let bad = text.replace(&data.display().to_string(), "/nonexistent/prompts.txt");
+    let e = BenchConfig::parse(&bad, Path::new("dataset.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("dataset.toml") && e.contains("load.dataset"),
+        "{e}"
+    );
 }
