@@ -40,7 +40,20 @@ pub enum Command {
     /// Perplexity, KL divergence and top-1 agreement of a precision against a reference.
     Quality(crate::quality::QualityArgs),
     /// Govern an OpenAI-compatible server: admit only what a profile's limits allow.
-    Govern(crate::govern::GovernArgs),
+    Govern(Box<crate::govern::GovernArgs>),
+    /// GPU self-test for scripts/device-check.sh: device facts, NVRTC compile and every kernel against its CPU reference.
+    #[command(hide = true)]
+    CudaSelftest(CudaSelftestArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CudaSelftestArgs {
+    /// Directory for selftest.json.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub ordinal: usize,
 }
 
 #[derive(Args, Debug)]
@@ -142,6 +155,10 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
     pub threads: Option<usize>,
+    /// Where the model runs: cpu, cuda, cuda:N, or auto (CUDA when usable,
+    /// else the CPU, saying why). The CUDA forward pass is not built yet (#7).
+    #[arg(long, env = "ENVELOPE_DEVICE", default_value = "cpu")]
+    pub device: envelope_cuda::DeviceSetting,
 }
 
 impl EngineArgs {
@@ -184,6 +201,21 @@ impl EngineArgs {
     pub fn apply_threads(&self) {
         if let Some(n) = self.threads {
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+    }
+}
+
+/// Resolves a device setting (`--device`, `target.device`) into the backend
+/// that runs: the one place the decision is made. `cuda` fails with the
+/// reason (no driver, no GPU, library missing, or the CUDA forward not built
+/// yet); `auto` logs why it fell back to the CPU.
+pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<()> {
+    match envelope_cuda::select(setting)? {
+        envelope_cuda::Selected::Cpu { note } => {
+            if let Some(n) = note {
+                tracing::warn!("{n}");
+            }
+            Ok(())
         }
     }
 }

@@ -8,6 +8,18 @@ use envelope_telemetry::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerp
 
 pub fn run(args: &SweepArgs) -> Result<()> {
     let cfg = BenchConfig::load(&args.config)?;
+    if let Some(d) = &cfg.device {
+        if !matches!(cfg.target, Target::Engine) {
+            anyhow::bail!(
+                "{}: target.device applies to the engine target only",
+                args.config.display()
+            );
+        }
+        let setting: envelope_cuda::DeviceSetting = d
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{}: target.device: {e}", args.config.display()))?;
+        crate::cli::resolve_device(setting)?;
+    }
     // A file or dummy preset is hashed; a name another server serves is kept as its id.
     let model = match &cfg.target {
         Target::Http { .. } => ModelIdentity::Served {

@@ -51,12 +51,8 @@ impl fmt::Display for DeviceSetting {
 /// Why `--device cuda` cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
-    #[error("--device cuda:{ordinal}: no usable CUDA device: {source}")]
-    Unavailable {
-        ordinal: usize,
-        #[source]
-        source: CudaError,
-    },
+    #[error("--device cuda:{ordinal}: no usable CUDA device: {reason}")]
+    Unavailable { ordinal: usize, reason: CudaError },
     #[error("--device cuda:{ordinal}: opened {device}, but the CUDA model forward is not built yet (issue #7); use --device cpu")]
     ForwardNotBuilt { ordinal: usize, device: String },
 }
@@ -90,7 +86,7 @@ pub fn select_with(
         DeviceSetting::Cpu => Ok(Selected::Cpu { note: None }),
         DeviceSetting::Cuda { ordinal } => match open(ordinal) {
             Ok(device) => Err(SelectError::ForwardNotBuilt { ordinal, device }),
-            Err(source) => Err(SelectError::Unavailable { ordinal, source }),
+            Err(reason) => Err(SelectError::Unavailable { ordinal, reason }),
         },
         DeviceSetting::Auto => Ok(Selected::Cpu {
             note: Some(match open(0) {
