@@ -29,7 +29,7 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Sweep precision x batch policy x context bucket and write safe operating points as a profile.
     Sweep(SweepArgs),
-    /// Write report.md and report.html for a profile (next to it, or into --out).
+    /// Write report.md, report.html and plots/*.svg for a profile (next to it, or into --out).
     Report(ReportArgs),
     /// Print the node fingerprint, a live GPU/host sample and, with --server, the server's engine state.
     Probe(ProbeArgs),
@@ -40,7 +40,20 @@ pub enum Command {
     /// Perplexity, KL divergence and top-1 agreement of a precision against a reference.
     Quality(crate::quality::QualityArgs),
     /// Govern an OpenAI-compatible server: admit only what a profile's limits allow.
-    Govern(crate::govern::GovernArgs),
+    Govern(Box<crate::govern::GovernArgs>),
+    /// GPU self-test for scripts/device-check.sh: device facts, NVRTC compile and every kernel against its CPU reference.
+    #[command(hide = true)]
+    CudaSelftest(CudaSelftestArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CudaSelftestArgs {
+    /// Directory for selftest.json.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub ordinal: usize,
 }
 
 #[derive(Args, Debug)]
@@ -51,8 +64,9 @@ pub struct SweepArgs {
     /// Directory for profile.json, requests.csv and probes.csv.
     #[arg(long, env = "ENVELOPE_SWEEP_OUT", default_value = "sweep-out")]
     pub out: PathBuf,
-    /// Print the profile as JSON instead of the summary table.
-    #[arg(long)]
+    /// Machine output on stdout: one JSON line per probe as it ends
+    /// (`{"event":"probe",...}`), then `{"event":"profile","profile":...}`.
+    #[arg(long, env = "ENVELOPE_SWEEP_JSON")]
     pub json: bool,
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
@@ -128,6 +142,10 @@ pub struct EngineArgs {
     /// Split long prompts across steps (true/false).
     #[arg(long, env = "ENVELOPE_CHUNKED_PREFILL", default_value_t = true, action = ArgAction::Set)]
     pub chunked_prefill: bool,
+    /// Static batching: wait this long for more requests before a new batch
+    /// forms (until none arrives for this long, or the batch is full).
+    #[arg(long, env = "ENVELOPE_STATIC_BATCH_WAIT_MS", default_value_t = 5)]
+    pub static_batch_wait_ms: u64,
     /// Longest prompt + output accepted (default: the model's context length).
     #[arg(long, env = "ENVELOPE_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
@@ -137,6 +155,10 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
     pub threads: Option<usize>,
+    /// Where the model runs: cpu, cuda, cuda:N, or auto (CUDA when usable,
+    /// else the CPU, saying why). The CUDA forward pass is not built yet (#7).
+    #[arg(long, env = "ENVELOPE_DEVICE", default_value = "cpu")]
+    pub device: envelope_cuda::DeviceSetting,
 }
 
 impl EngineArgs {
@@ -169,6 +191,7 @@ impl EngineArgs {
                 max_num_seqs: self.max_num_seqs,
                 max_num_batched_tokens: self.max_num_batched_tokens,
                 chunked_prefill: self.chunked_prefill,
+                static_batch_wait_ms: self.static_batch_wait_ms,
             },
             max_model_len: self.max_model_len,
         })
@@ -178,6 +201,21 @@ impl EngineArgs {
     pub fn apply_threads(&self) {
         if let Some(n) = self.threads {
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+    }
+}
+
+/// Resolves a device setting (`--device`, `target.device`) into the backend
+/// that runs: the one place the decision is made. `cuda` fails with the
+/// reason (no driver, no GPU, library missing, or the CUDA forward not built
+/// yet); `auto` logs why it fell back to the CPU.
+pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<()> {
+    match envelope_cuda::select(setting)? {
+        envelope_cuda::Selected::Cpu { note } => {
+            if let Some(n) = note {
+                tracing::warn!("{n}");
+            }
+            Ok(())
         }
     }
 }

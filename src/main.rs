@@ -2,6 +2,7 @@
 
 mod bench;
 mod cli;
+mod cuda_selftest;
 mod gate;
 mod govern;
 mod plan;
@@ -34,6 +35,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::BenchEngine(args) => {
+            cli::resolve_device(args.engine.device)?;
             args.engine.apply_threads();
             let report = bench::run(&args)?;
             if args.json {
@@ -44,10 +46,11 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Probe(args) => probe::run(&args),
-        Command::Govern(args) => govern::run(args),
         Command::Plan(args) => plan::run(&args),
         Command::Gate(args) => gate::run(&args),
         Command::Quality(args) => quality::run(&args),
+        Command::Govern(args) => govern::run(*args),
+        Command::CudaSelftest(args) => cuda_selftest::run(&args),
         Command::Report(args) => {
             let path = args.profile.display().to_string();
             let text = std::fs::read_to_string(&args.profile)
@@ -59,16 +62,9 @@ fn run(cli: Cli) -> Result<()> {
                     .map(|p| p.to_path_buf())
                     .unwrap_or_default()
             });
-            std::fs::create_dir_all(&dir)?;
-            std::fs::write(
-                dir.join("report.md"),
-                envelope_harness::report::markdown(&profile),
-            )?;
-            std::fs::write(
-                dir.join("report.html"),
-                envelope_harness::report::html(&profile),
-            )?;
-            println!("wrote {}/report.md and report.html", dir.display());
+            envelope_harness::report::write_all(&profile, &dir)
+                .with_context(|| format!("writing reports into {}", dir.display()))?;
+            println!("wrote {}/report.md, report.html and plots/", dir.display());
             Ok(())
         }
         Command::Sweep(args) => {
@@ -78,6 +74,7 @@ fn run(cli: Cli) -> Result<()> {
             sweep::run(&args)
         }
         Command::Generate(args) => {
+            cli::resolve_device(args.engine.device)?;
             args.engine.apply_threads();
             let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
                 .with_context(|| format!("loading --model {}", args.engine.model))?;
@@ -111,6 +108,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn serve(args: cli::ServeArgs) -> Result<()> {
+    cli::resolve_device(args.engine.device)?;
     args.engine.apply_threads();
     let cfg = args.engine.engine_config()?;
     let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
