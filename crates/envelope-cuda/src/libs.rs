@@ -165,15 +165,23 @@ pub(crate) fn keep_loaded(name: &str) -> std::result::Result<(), String> {
 fn open_kept(name: &str) -> std::result::Result<(), String> {
     // SAFETY: loading runs the library's initialisers; NVIDIA's libraries
     // have no unsound ones. Nothing is called through this handle.
-    let l = unsafe { Library::new(name) }.map_err(|e| e.to_string())?;
+    let l = unsafe { Library::new(name) }.map_err(|e| describe(&e))?;
     KEPT.lock().unwrap_or_else(|p| p.into_inner()).push(l);
     Ok(())
+}
+
+/// libloading's message with its cause (the loader's own words).
+fn describe(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    }
 }
 
 /// Opens a library from an explicit path for direct use (NVRTC).
 pub(crate) fn open_path(path: &str) -> std::result::Result<Library, String> {
     // SAFETY: as in `open_kept`.
-    unsafe { Library::new(path) }.map_err(|e| e.to_string())
+    unsafe { Library::new(path) }.map_err(|e| describe(&e))
 }
 
 #[cfg(test)]

@@ -233,10 +233,9 @@ pub struct TopP {
 /// index order (chunked as the kernel's threads are) to `u * kept_mass`.
 pub fn top_p_sample(logits: &[f32], temperature: f32, top_p: f32, u: f32) -> TopP {
     let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let w: Vec<f32> = logits
-        .iter()
-        .map(|x| ((x - mx) / temperature).exp())
-        .collect();
+    // Multiply by the reciprocal, as the kernel does (not divide: the roundings differ).
+    let inv_t = 1.0 / temperature;
+    let w: Vec<f32> = logits.iter().map(|x| ((x - mx) * inv_t).exp()).collect();
     let z: f32 = w.iter().sum();
     let need = top_p * z;
     let (mut lo, mut hi) = (0f32, 1f32);

@@ -55,3 +55,26 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// The on-disk cache: a second compile of the same kernel for the same
+/// architecture is read back (same PTX); another architecture is not.
+#[test]
+fn the_second_compile_comes_from_the_cache() {
+    let Some(lib) = std::env::var_os("ENVELOPE_NVRTC_LIB") else {
+        eprintln!("SKIPPED: ENVELOPE_NVRTC_LIB is not set");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("envelope-kernel-cache-{}", std::process::id()));
+    let nvrtc = Nvrtc::load_from(&lib.to_string_lossy()).unwrap_or_else(|e| panic!("{e}"));
+    let include = include_dir().unwrap_or_else(|e| panic!("{e}"));
+    let c = Compiler::with(nvrtc, include, Some(dir.clone())).unwrap_or_else(|e| panic!("{e}"));
+    let k = envelope_cuda::kernels::find("residual_add.cu").unwrap();
+    let first = c.compile(k, "compute_80").unwrap();
+    let second = c.compile(k, "compute_80").unwrap();
+    let other = c.compile(k, "compute_90").unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!first.from_cache && second.from_cache && !other.from_cache);
+    assert_eq!(first.ptx, second.ptx);
+    assert_eq!(first.key, second.key);
+    assert_ne!(first.key, other.key);
+}
