@@ -13,6 +13,12 @@ pub const E4M3_REL_ERR: f32 = 1.0 / 16.0;
 /// Absolute error bound in the subnormal range: half the 2^-9 step.
 pub const E4M3_SUBNORMAL_ABS_ERR: f32 = 1.0 / 1024.0;
 
+/// fp8 tensor-core GEMMs (cuBLASLt e4m3) need compute capability 8.9 (Ada)
+/// or later; bf16 -> fp8 is gated on this.
+pub fn fp8_supported(compute_capability: (i32, i32)) -> bool {
+    compute_capability >= (8, 9)
+}
+
 /// e4m3 bits to f32.
 pub fn decode(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
@@ -89,6 +95,15 @@ pub fn round_trip_bound(x: f32, scale: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp8_needs_ada_or_later() {
+        assert!(!fp8_supported((8, 0)));
+        assert!(!fp8_supported((8, 6)));
+        assert!(fp8_supported((8, 9)));
+        assert!(fp8_supported((9, 0)));
+        assert!(fp8_supported((10, 0)));
+    }
 
     #[test]
     fn known_codes() {

@@ -10,7 +10,9 @@
 //!   `kernels/`, embedded, compiled at run time by NVRTC ([`nvrtc`]) for the
 //!   device's compute capability and cached on disk.
 //! - [`geometry`]: launch geometry per kernel, block-table flattening, slot
-//!   mappings, CUDA-graph batch buckets. [`fp8`]: e4m3 scales.
+//!   mappings, CUDA-graph batch buckets. [`fp8`]: e4m3 scales and the
+//!   compute-capability gate. [`memory`]: KV pool size from free memory and
+//!   a utilisation fraction, or an explicit budget.
 //! - [`reference`]: the CPU implementation every kernel is checked against;
 //!   [`selftest`] runs that check on a GPU (`envelope cuda-selftest`).
 //! - [`setting`]: `--device cpu|cuda[:N]|auto`.
@@ -37,6 +39,7 @@ pub mod fp8;
 pub mod geometry;
 pub mod kernels;
 pub mod libs;
+pub mod memory;
 pub mod nvrtc;
 pub mod reference;
 pub mod selftest;
