@@ -50,11 +50,13 @@ fi
 } 2>&1 | tee "$LOG"
 
 echo "== cuda-selftest" | tee -a "$LOG"
-"$BIN" cuda-selftest --out "$DEST" 2>&1 | tee -a "$LOG"
+# A hung kernel must not eat the lease: 5 minutes at most (it should take seconds).
+timeout 300 "$BIN" cuda-selftest --out "$DEST" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
+[ "$rc" = 124 ] && echo "cuda-selftest: killed after 300 s (a kernel hung?)" | tee -a "$LOG"
 
 echo "== the kernel cache, second run (compiles should come from the cache)" | tee -a "$LOG"
-"$BIN" cuda-selftest --out "$DEST/second-run" 2>&1 | grep -E "^compile|passed" | tee -a "$LOG"
+timeout 120 "$BIN" cuda-selftest --out "$DEST/second-run" 2>&1 | grep -E "^compile|passed" | tee -a "$LOG"
 
 echo "== bench-engine --device cuda (expected: non-zero, 'not built yet (issue #7)')" | tee -a "$LOG"
 "$BIN" bench-engine --model dummy:tiny --device cuda 2>&1 | tail -3 | tee -a "$LOG"
