@@ -34,13 +34,16 @@ pub struct GovernArgs {
     /// Address to listen on (port 0 picks one; the URL is printed on stdout).
     #[arg(long, env = "ENVELOPE_GOVERN_LISTEN")]
     pub listen: Option<String>,
-    /// Override the profile's limits.
+    /// Override the profile's limits.max_context_tokens (prompt + max_tokens).
     #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONTEXT_TOKENS")]
     pub max_context_tokens: Option<u64>,
+    /// Override the profile's limits.max_output_tokens.
     #[arg(long, env = "ENVELOPE_GOVERN_MAX_OUTPUT_TOKENS")]
     pub max_output_tokens: Option<u64>,
+    /// Override the profile's limits.max_concurrent_seqs (n > 1 counts n).
     #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONCURRENT_SEQS")]
     pub max_concurrent_seqs: Option<u64>,
+    /// Override the profile's limits.max_kv_tokens_in_flight (sum of prompt + max_tokens reserved).
     #[arg(long, env = "ENVELOPE_GOVERN_MAX_KV_TOKENS_IN_FLIGHT")]
     pub max_kv_tokens_in_flight: Option<u64>,
     /// max_tokens over the output cap: clamp (default) or reject.
@@ -91,9 +94,10 @@ pub struct GovernArgs {
     /// Metrics URL for the live guard (default: upstream + /metrics).
     #[arg(long, env = "ENVELOPE_GOVERN_GUARD_METRICS_URL")]
     pub guard_metrics_url: Option<String>,
-    /// Upstream KV use at which caps tighten (default 0.90) and new work is refused (0.98).
+    /// Upstream KV use (0..1) at which caps tighten (default 0.90).
     #[arg(long, env = "ENVELOPE_GOVERN_GUARD_SMALL_KV")]
     pub guard_small_kv: Option<f64>,
+    /// Upstream KV use (0..1) at which new requests are refused (default 0.98).
     #[arg(long, env = "ENVELOPE_GOVERN_GUARD_REJECT_KV")]
     pub guard_reject_kv: Option<f64>,
     /// GPU free memory floor for REJECT_NEW, bytes (NVML only).

@@ -205,6 +205,12 @@ impl Settings {
         if self.max_queue_age_ms == 0 || self.max_body_bytes == 0 {
             return Err("`max_queue_age_ms` and `max_body_bytes` must be at least 1".into());
         }
+        let (small, reject) = (self.ladder.small_kv_usage, self.ladder.reject_kv_usage);
+        if !(0.0 < small && small <= reject && reject <= 1.0) {
+            return Err(format!(
+                "guard thresholds must satisfy 0 < small_kv ({small}) <= reject_kv ({reject}) <= 1"
+            ));
+        }
         let f = self.ladder.small_context_factor;
         if !(f > 0.0 && f <= 1.0) {
             return Err(format!("`small_context_factor` must be in (0, 1], got {f}"));
@@ -278,6 +284,9 @@ mod tests {
         let mut s = Settings::new(limits(), "p");
         s.ladder.small_context_factor = 0.0;
         assert!(s.validate().is_err());
+        let mut s = Settings::new(limits(), "p");
+        s.ladder.small_kv_usage = 0.99;
+        assert!(s.validate().unwrap_err().contains("small_kv"));
         assert_eq!("reject".parse::<OverLimit>(), Ok(OverLimit::Reject));
         assert!("maybe".parse::<OverLimit>().is_err());
     }
