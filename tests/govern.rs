@@ -304,6 +304,26 @@ async fn context_caps_reload_and_drain() {
         m.contains("envelope_governor_profile_reloads_total{outcome=\"rejected\"}"),
         "{m}"
     );
+    // A change of the file alone (no signal) reloads too.
+    std::fs::write(&profile, profile_json(4, 1000, 16).to_string()).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < end {
+        let r = c
+            .post(gov.url("/v1/completions"))
+            .json(&json!({"prompt": "hi"}))
+            .send()
+            .await
+            .unwrap();
+        applied = r.headers()["x-envelope-max-tokens"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        if applied == "16" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(applied, "16");
 
     // Drain on SIGTERM: a stream in flight finishes, then the governor exits.
     let mut req = body(4, 32);
