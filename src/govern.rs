@@ -259,19 +259,24 @@ async fn pick_counter(
         "estimate" => Ok(estimate),
         "upstream" => Ok(upstream_counter),
         "auto" => {
-            let ok = client
+            let probe = client
                 .post(&url)
                 .json(&serde_json::json!({"prompt": "probe"}))
                 .timeout(Duration::from_secs(5))
                 .send()
-                .await
-                .ok()
-                .filter(|r| r.status().is_success());
-            if ok.is_some() {
-                Ok(upstream_counter)
-            } else {
-                tracing::warn!("no --tokenizer and {url} does not answer: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", args.estimate_bytes_per_token.unwrap_or(3.0));
-                Ok(estimate)
+                .await;
+            match probe {
+                Ok(r) if r.status().is_success() => Ok(upstream_counter),
+                Ok(r) => {
+                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(3.0));
+                    Ok(estimate)
+                }
+                // Not up yet: count with it once it is (requests get 502 while
+                // it is down, as they would from the upstream itself).
+                Err(e) => {
+                    tracing::warn!("{url} is not reachable yet ({e}); counting with it once it is");
+                    Ok(upstream_counter)
+                }
             }
         }
         other => bail!("--token-count `{other}`: expected auto, upstream or estimate"),
