@@ -43,6 +43,9 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
         println!("NVRTC unavailable: {e}");
     }
     println!("cuBLAS: {}", rep.cublas.as_deref().unwrap_or("-"));
+    for w in &rep.warnings {
+        println!("WARNING: {w}");
+    }
     for c in &rep.compile {
         println!(
             "compile {:<22} {:>6.2} s {:>7} bytes{}{}",

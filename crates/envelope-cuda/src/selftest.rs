@@ -222,6 +222,7 @@ pub struct Report {
     pub cases: Vec<CaseResult>,
     pub passed: usize,
     pub failed: usize,
+    pub warnings: Vec<String>,
     /// Free-form facts the caller adds (NVML readings).
     pub extra: serde_json::Value,
 }
@@ -881,6 +882,9 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
     };
     let (ma, mi) = compiler.nvrtc_version();
     rep.nvrtc_version = Some(format!("{ma}.{mi}"));
+    if let Some(w) = version_warning((ma, mi), &device.info.driver_cuda_version) {
+        rep.warnings.push(w);
+    }
     rep.include_dir = Some(compiler.include.display().to_string());
     let stream = device.ctx.default_stream();
     let mut modules = HashMap::new();
@@ -939,6 +943,21 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
     rep
 }
 
+/// PTX from an NVRTC newer than the driver does not load
+/// (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so before the module loads fail.
+pub fn version_warning(nvrtc: (i32, i32), driver_cuda: &str) -> Option<String> {
+    let mut it = driver_cuda
+        .split('.')
+        .map(|p| p.parse::<i32>().unwrap_or(0));
+    let driver = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (nvrtc > driver).then(|| {
+        format!(
+            "NVRTC {}.{} is newer than the driver's CUDA {driver_cuda}: its PTX may not load; put an NVRTC <= {driver_cuda} first (ENVELOPE_NVRTC_LIB)",
+            nvrtc.0, nvrtc.1
+        )
+    })
+}
+
 fn write(out_dir: &Path, rep: &Report) {
     let _ = std::fs::create_dir_all(out_dir);
     if let Ok(text) = serde_json::to_string_pretty(rep) {
@@ -949,6 +968,13 @@ fn write(out_dir: &Path, rep: &Report) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warns_when_nvrtc_is_newer_than_the_driver() {
+        assert!(version_warning((13, 0), "13.0").is_none());
+        assert!(version_warning((12, 8), "13.0").is_none());
+        assert!(version_warning((13, 1), "13.0").unwrap().contains("newer"));
+    }
 
     #[test]
     fn dtype_bytes_round_trip_and_round() {
