@@ -742,11 +742,11 @@ pub struct Generated {
     pub preemptions: u32,
 }
 
-/// Logits of the last prompt token from a fresh cache: for comparisons
-/// with reference implementations.
-pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result<Vec<f32>> {
+/// A private KV pool just large enough for `n_tokens` of one sequence, and
+/// its block table: for scoring a text outside the scheduler.
+pub fn scratch_cache(model: &Model, n_tokens: usize, kv_dtype: KvDtype) -> (KvPool, Vec<u32>) {
     let block_size = 16;
-    let blocks = tokens.len().div_ceil(block_size);
+    let blocks = n_tokens.div_ceil(block_size);
     let g = KvGeometry {
         num_layers: model.config.num_layers,
         num_blocks: blocks,
@@ -754,8 +754,13 @@ pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result
         num_kv_heads: model.config.num_kv_heads,
         head_dim: model.config.head_dim,
     };
-    let mut kv = KvPool::new(g, kv_dtype);
-    let table: Vec<u32> = (0..blocks as u32).collect();
+    (KvPool::new(g, kv_dtype), (0..blocks as u32).collect())
+}
+
+/// Logits of the last prompt token from a fresh cache: for comparisons
+/// with reference implementations.
+pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result<Vec<f32>> {
+    let (mut kv, table) = scratch_cache(model, tokens.len(), kv_dtype);
     let chunk = SeqChunk {
         tokens,
         start_pos: 0,

@@ -11,7 +11,7 @@
 //! context at their start make perplexity a little higher than a sliding
 //! window would; the comparison between precisions is what the gate uses.
 
-use envelope_engine::kv_cache::{KvGeometry, KvPool};
+use envelope_engine::engine::scratch_cache;
 use envelope_engine::model::{Model, SeqChunk};
 use envelope_engine::{EngineError, KvDtype, LoadOptions, Precision};
 use envelope_profile::QualityReport;
@@ -68,17 +68,7 @@ pub fn all_position_logits(
     tokens: &[u32],
     kv_dtype: KvDtype,
 ) -> envelope_engine::Result<Vec<f32>> {
-    let block_size = 16;
-    let blocks = tokens.len().div_ceil(block_size);
-    let g = KvGeometry {
-        num_layers: model.config.num_layers,
-        num_blocks: blocks,
-        block_size,
-        num_kv_heads: model.config.num_kv_heads,
-        head_dim: model.config.head_dim,
-    };
-    let mut kv = KvPool::new(g, kv_dtype);
-    let table: Vec<u32> = (0..blocks as u32).collect();
+    let (mut kv, table) = scratch_cache(model, tokens.len(), kv_dtype);
     let chunks: Vec<SeqChunk> = tokens
         .iter()
         .enumerate()
