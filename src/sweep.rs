@@ -118,6 +118,9 @@ pub fn run(args: &SweepArgs) -> Result<()> {
     bar.finish_and_clear();
     out.write(&args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
+    if let Some(e) = &out.quality_error {
+        eprintln!("warning: {e} (the profile has no quality section)");
+    }
     let p = &out.profile;
     if args.json {
         println!(
@@ -163,6 +166,24 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         p.limits.max_concurrent_seqs,
         p.limits.max_kv_tokens_in_flight
     );
+    if let Some(q) = &p.quality {
+        println!(
+            "quality of {} on {} ({} tokens scored): perplexity {:.3}{}",
+            q.precision,
+            q.text_set,
+            q.tokens_scored,
+            q.perplexity,
+            match (
+                &q.reference_precision,
+                q.kl_divergence_mean,
+                q.top1_agreement
+            ) {
+                (Some(r), Some(kl), Some(t1)) =>
+                    format!(", against {r}: KL {kl:.5} nats, top-1 agreement {t1:.4}"),
+                _ => String::new(),
+            }
+        );
+    }
     println!(
         "wrote {}/profile.json, report.md, report.html, requests.csv, probes.csv",
         args.out.display()

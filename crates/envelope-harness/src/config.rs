@@ -195,6 +195,43 @@ struct RawConfig {
     load: LoadConfig,
     #[serde(default)]
     slo: Slo,
+    quality: Option<QualityConfig>,
+}
+
+/// `[quality]` (engine target): after the sweep, score the selected
+/// configuration's precision on a text (perplexity, and KL divergence and
+/// top-1 agreement against `reference`) into the profile's `quality`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QualityConfig {
+    #[serde(default = "default_quality_text")]
+    pub text: String,
+    /// A precision, or `none` for perplexity only.
+    #[serde(default = "default_quality_reference")]
+    pub reference: String,
+    #[serde(default = "default_window")]
+    pub window_tokens: usize,
+    pub max_windows: Option<usize>,
+}
+
+fn default_quality_text() -> String {
+    "bench-configs/quality/founding-documents.txt".into()
+}
+fn default_quality_reference() -> String {
+    "f32".into()
+}
+fn default_window() -> usize {
+    256
+}
+
+/// A validated `[quality]`.
+#[derive(Debug, Clone)]
+pub struct QualitySettings {
+    pub text_set: String,
+    pub text: String,
+    pub reference: Option<Precision>,
+    pub window_tokens: usize,
+    pub max_windows: Option<usize>,
 }
 
 /// One point of the matrix. The strings name it and fill a launch
@@ -273,6 +310,7 @@ pub struct BenchConfig {
     pub concurrency_max: u32,
     pub load: LoadConfig,
     pub prompts: Prompts,
+    pub quality: Option<QualitySettings>,
     pub slo: Slo,
 }
 
@@ -471,6 +509,35 @@ impl BenchConfig {
                 Prompts::from_file(Path::new(d)).map_err(|e| err(format!("load.dataset: {e}")))?
             }
         };
+        let quality = match &raw.quality {
+            None => None,
+            Some(_) if target != Target::Engine => {
+                return Err(err(
+                    "quality: [quality] needs the engine target (it loads the model here)".into(),
+                ))
+            }
+            Some(q) => {
+                let reference = match q.reference.as_str() {
+                    "none" => None,
+                    r => Some(
+                        r.parse::<Precision>()
+                            .map_err(|e| err(format!("quality.reference: {e}")))?,
+                    ),
+                };
+                if q.window_tokens < 2 {
+                    return Err(err("quality.window_tokens must be at least 2".into()));
+                }
+                let text = std::fs::read_to_string(&q.text)
+                    .map_err(|e| err(format!("quality.text: {}: {e}", q.text)))?;
+                Some(QualitySettings {
+                    text_set: q.text.clone(),
+                    text,
+                    reference,
+                    window_tokens: q.window_tokens,
+                    max_windows: q.max_windows,
+                })
+            }
+        };
         let s = &raw.slo;
         if !(0.0..1.0).contains(&s.headroom) {
             return Err(err(format!(
@@ -499,6 +566,7 @@ impl BenchConfig {
             concurrency_max: m.concurrency_max,
             load: raw.load.clone(),
             prompts,
+            quality,
             slo: raw.slo,
         })
     }

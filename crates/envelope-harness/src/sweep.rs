@@ -85,6 +85,8 @@ pub struct TelemetryRow {
 
 pub struct SweepOutput {
     pub profile: Profile,
+    /// Why `[quality]` gave no result, when it did not.
+    pub quality_error: Option<String>,
     pub requests: Vec<RequestRow>,
     pub probes: Vec<ProbeRow>,
     pub telemetry: Vec<TelemetryRow>,
@@ -685,6 +687,36 @@ fn push_rows(
     });
 }
 
+/// `[quality]`: scores the selected configuration's precision.
+fn score_quality(
+    cfg: &BenchConfig,
+    best: Option<&ConfigResult>,
+) -> Result<Option<envelope_profile::QualityReport>, String> {
+    let Some(q) = &cfg.quality else {
+        return Ok(None);
+    };
+    let point = best
+        .and_then(|b| cfg.points.iter().find(|p| p.name() == b.name))
+        .and_then(|p| p.engine)
+        .ok_or("quality: no configuration was selected to score")?;
+    let opts = crate::quality::QualityOptions {
+        window_tokens: q.window_tokens,
+        max_windows: q.max_windows,
+        kv_dtype: point.kv_dtype,
+    };
+    crate::quality::measure(
+        &cfg.model,
+        None,
+        point.precision,
+        q.reference,
+        &q.text_set,
+        &q.text,
+        &opts,
+    )
+    .map(Some)
+    .map_err(|e| format!("quality: {e}"))
+}
+
 /// KV tokens the governor may reserve: the capacity less the headroom; when
 /// the capacity is unknown (a server whose metrics do not say), what the
 /// safe points of the buckets use at most.
@@ -766,6 +798,10 @@ pub fn run_sweep(
             max_kv_tokens_in_flight: 1,
         },
     };
+    let (quality, quality_error) = match score_quality(cfg, best) {
+        Ok(q) => (q, None),
+        Err(e) => (None, Some(e)),
+    };
     let profile = Profile {
         schema: PROFILE_SCHEMA.into(),
         created_unix_ms: envelope_telemetry::unix_ms(),
@@ -775,10 +811,11 @@ pub fn run_sweep(
         configs,
         limits,
         probes_total,
-        quality: None,
+        quality,
     };
     SweepOutput {
         profile,
+        quality_error,
         requests: rows.0,
         probes: rows.1,
         telemetry,

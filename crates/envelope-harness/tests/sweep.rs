@@ -222,3 +222,60 @@ dataset = "{}"
         "{e}"
     );
 }
+
+#[test]
+fn quality_section_scores_the_selected_precision() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("envelope-quality-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "We hold these truths to be self-evident, that all men are created equal.",
+    )
+    .unwrap();
+    let cfg = |extra: &str| {
+        format!(
+            r#"
+[target]
+kind = "engine"
+model = "dummy:tiny"
+[matrix]
+precisions = ["q8_0"]
+batch_policies = ["continuous"]
+buckets = ["16x4"]
+concurrency_max = 2
+[quality]
+text = "{}"
+window_tokens = 32
+max_windows = 2
+{extra}
+"#,
+            text.display()
+        )
+    };
+    let c = BenchConfig::parse(&cfg(""), Path::new("q.toml")).unwrap();
+    let out = run_sweep(&c, serde_json::json!({}), &logs(), &mut |_| {});
+    assert!(out.quality_error.is_none(), "{:?}", out.quality_error);
+    let q = out.profile.quality.expect("a quality section");
+    assert_eq!(q.precision, "q8_0");
+    assert_eq!(q.reference_precision.as_deref(), Some("f32"));
+    assert_eq!(q.windows, 2);
+    assert!(q.kl_divergence_mean.unwrap() > 0.0, "q8_0 differs from f32");
+    assert!(q.perplexity.is_finite() && q.perplexity > 1.0);
+    // Errors name the file and the field.
+    for (extra, field) in [
+        ("reference = \"q3\"", "quality.reference"),
+        ("colour = 1", "colour"),
+    ] {
+        let e = BenchConfig::parse(&cfg(extra), Path::new("q.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("q.toml") && e.contains(field), "{e}");
+    }
+    let missing = cfg("").replace(&text.display().to_string(), "/nonexistent.txt");
+    let e = BenchConfig::parse(&missing, Path::new("q.toml"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("quality.text"), "{e}");
+}
