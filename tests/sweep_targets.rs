@@ -12,9 +12,13 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-// dummy:tiny in f32: 512 bytes of KV per token; 30 blocks of 16 tokens = 480
-// tokens; a 32x16 request takes 3 blocks, so 10 fit.
-const KV_BYTES: usize = 30 * 16 * 512;
+// dummy:tiny in f32: 512 bytes of KV per token; 60 blocks of 16 tokens = 960
+// tokens; a 32x48 request takes 5 blocks, so 12 fit. Its 32-token prompt fills
+// two blocks, so every decode step past the 32nd needs all five: requests in
+// flight together preempt past 12 even when HTTP staggers their starts by a
+// few steps (with short outputs, a tiny model finishes a request in about the
+// time an HTTP round trip takes, and the server never sees them all at once).
+const KV_BYTES: usize = 60 * 16 * 512;
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_envelope")
@@ -32,7 +36,7 @@ const MATRIX: &str = r#"
 precisions = ["f32"]
 batch_policies = ["continuous"]
 max_num_seqs = 32
-buckets = ["32x16"]
+buckets = ["32x48"]
 concurrency_max = 32
 "#;
 
@@ -99,8 +103,9 @@ fn engine_and_launch_targets_agree_within_one_ladder_step() {
     );
     let eb = bucket(&engine);
     assert_eq!(eb["binding_constraint"], "kv_cache");
+    assert_eq!(eb["feasible_concurrency"], 12, "{eb}");
     let plot = d.join("out/plots/f32-f32-continuous.svg");
-    assert!(std::fs::read_to_string(plot).unwrap().contains("32x16"));
+    assert!(std::fs::read_to_string(plot).unwrap().contains("32x48"));
 
     let d = out_dir("launch");
     let launch_cfg = format!(
@@ -134,7 +139,7 @@ ready_timeout_s = 120
     assert_eq!(launch["fingerprint"]["engine"]["name"], "envelope");
     assert_eq!(launch["configs"][0]["memory"]["source"], "process_rss");
     // The KV capacity came from envelope serve's /metrics, so the limit matches the engine's.
-    assert_eq!(launch["configs"][0]["memory"]["kv_capacity_tokens"], 480);
+    assert_eq!(launch["configs"][0]["memory"]["kv_capacity_tokens"], 960);
     assert_eq!(
         launch["limits"]["max_kv_tokens_in_flight"],
         engine["limits"]["max_kv_tokens_in_flight"]
