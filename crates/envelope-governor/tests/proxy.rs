@@ -331,30 +331,40 @@ async fn full_queue_refuses_with_429_and_retry_after() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
-async fn deadlines_bound_the_wait() {
-    let g = start(limits(1000, 10, 1, 1000), |s| s.max_queue_age_ms = 60_000).await;
-    g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
-    let c = g.client.clone();
-    let url = g.url("/v1/completions");
-    let first = tokio::spawn(async move {
-        c.post(url)
+/// A 10-token completion through the governor, with an optional deadline header.
+async fn hello(g: &Gov, deadline_ms: Option<&str>) -> reqwest::Response {
+    let mut req = g.client.post(g.url("/v1/completions"));
+    if let Some(d) = deadline_ms {
+        req = req.header("x-request-deadline-ms", d);
+    }
+    req.json(&json!({"prompt": "hello", "max_tokens": 10}))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// [`hello`] on its own task (it holds the only slot); yields its status.
+fn spawn_hello(g: &Gov) -> tokio::task::JoinHandle<reqwest::StatusCode> {
+    let (client, url) = (g.client.clone(), g.url("/v1/completions"));
+    tokio::spawn(async move {
+        client
+            .post(url)
             .json(&json!({"prompt": "hello", "max_tokens": 10}))
             .send()
             .await
             .unwrap()
             .status()
-    });
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 8)]
+async fn deadlines_bound_the_wait() {
+    let g = start(limits(1000, 10, 1, 1000), |s| s.max_queue_age_ms = 60_000).await;
+    g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
+    let first = spawn_hello(&g);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t0 = Instant::now();
-    let r = g
-        .client
-        .post(g.url("/v1/completions"))
-        .header("x-request-deadline-ms", "200")
-        .json(&json!({"prompt": "hello", "max_tokens": 10}))
-        .send()
-        .await
-        .unwrap();
+    let r = hello(&g, Some("200")).await;
     assert_eq!(r.status(), 429);
     assert!(
         t0.elapsed() < Duration::from_millis(900),
@@ -364,26 +374,10 @@ async fn deadlines_bound_the_wait() {
     assert_eq!(r.headers()["x-envelope-reason"], "queue_timeout");
     assert_eq!(first.await.unwrap(), 200);
     // With a measured drain rate, a hopeless deadline is refused at once.
-    let c = g.client.clone();
-    let url = g.url("/v1/completions");
-    let busy = tokio::spawn(async move {
-        c.post(url)
-            .json(&json!({"prompt": "hello", "max_tokens": 10}))
-            .send()
-            .await
-            .unwrap()
-            .status()
-    });
+    let busy = spawn_hello(&g);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let t0 = Instant::now();
-    let r = g
-        .client
-        .post(g.url("/v1/completions"))
-        .header("x-request-deadline-ms", "50")
-        .json(&json!({"prompt": "hello", "max_tokens": 10}))
-        .send()
-        .await
-        .unwrap();
+    let r = hello(&g, Some("50")).await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["x-envelope-reason"], "deadline_unmeetable");
     assert!(
