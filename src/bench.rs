@@ -6,9 +6,8 @@ use crate::cli::BenchArgs;
 use anyhow::Result;
 use envelope_engine::engine::Engine;
 use envelope_engine::util::synthetic_prompt;
-use envelope_engine::{Event, GenerateRequest, SamplingParams};
+use envelope_engine::{Event, GenerateRequest, Placement, SamplingParams};
 use serde::Serialize;
-use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 #[derive(Debug, Serialize)]
@@ -56,17 +55,14 @@ fn add(
     Ok(rx)
 }
 
-pub fn run(args: &BenchArgs) -> Result<BenchReport> {
+pub fn run(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
     // Like the engine thread: step on a worker of the compute pool.
     rayon::ThreadPoolBuilder::new()
         .build()?
-        .install(|| run_in_pool(args))
+        .install(|| run_in_pool(args, placement))
 }
 
-fn run_in_pool(args: &BenchArgs) -> Result<BenchReport> {
-    let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())?;
-    let vocab = loaded.model.config.vocab_size;
-    let info = loaded.info.clone();
+fn run_in_pool(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
     let mut cfg = args.engine.engine_config()?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     cfg.scheduler.max_num_seqs = cfg.scheduler.max_num_seqs.max(max_c);
@@ -75,7 +71,14 @@ fn run_in_pool(args: &BenchArgs) -> Result<BenchReport> {
         .max_num_batched_tokens
         .max(args.prompt_tokens)
         .max(max_c * args.decode_prompt_tokens);
-    let mut engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), loaded.info, &cfg)?;
+    let (mut engine, _) = Engine::load(
+        &args.engine.model,
+        &args.engine.load_options(),
+        placement,
+        &cfg,
+    )?;
+    let info = engine.info.model.clone();
+    let vocab = info.config.vocab_size;
 
     // Warm-up: pages in the weights and the pool.
     let _w = add(&mut engine, synthetic_prompt(64, vocab, 99), 4)?;

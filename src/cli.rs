@@ -4,7 +4,8 @@
 use anyhow::{bail, Result};
 use clap::{ArgAction, Args, Parser, Subcommand};
 use envelope_engine::{
-    BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Precision, SchedulerConfig,
+    BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Placement, Precision,
+    SchedulerConfig,
 };
 use std::path::PathBuf;
 
@@ -54,6 +55,24 @@ pub struct CudaSelftestArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub ordinal: usize,
+    /// Instead of the kernels: whole-model logits and greedy tokens of
+    /// dummy models on the GPU against the CPU engine (model-check.json).
+    #[arg(long)]
+    pub models: bool,
+    /// Instead of the kernels: prefill and decode tokens/s of a model on the
+    /// GPU in bf16 and fp8 at batch 1/8/64 and context 1k/8k (bench-cuda.json, .csv).
+    #[arg(long)]
+    pub bench: bool,
+    /// The model of --bench.
+    #[arg(long, default_value = "dummy:llama-3.1-8b")]
+    pub bench_model: String,
+    /// The models of --models (comma-separated).
+    #[arg(
+        long,
+        default_value = "dummy:smollm2-135m,dummy:llama-3.2-1b",
+        value_delimiter = ','
+    )]
+    pub check_models: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -124,7 +143,8 @@ pub struct EngineArgs {
     /// KV-cache pool size, in bytes (suffixes K, M, G, KiB, MiB, GiB). Overrides --kv-cache-fraction.
     #[arg(long, env = "ENVELOPE_KV_CACHE_BYTES", value_parser = parse_bytes)]
     pub kv_cache_bytes: Option<usize>,
-    /// KV-cache pool as a fraction of the host's available memory after load.
+    /// KV-cache pool as a fraction of the available memory after load (the
+    /// host's on the CPU, the GPU's free memory less an activation reserve on CUDA).
     #[arg(long, env = "ENVELOPE_KV_CACHE_FRACTION", default_value_t = 0.2)]
     pub kv_cache_fraction: f64,
     /// Tokens per KV block.
@@ -155,8 +175,10 @@ pub struct EngineArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
     pub threads: Option<usize>,
-    /// Where the model runs: cpu, cuda, cuda:N, or auto (CUDA when usable,
-    /// else the CPU, saying why). The CUDA forward pass is not built yet (#7).
+    /// Where the model runs: cpu, cuda, cuda:N, or auto (CUDA device 0 when
+    /// usable, else the CPU, saying why). On CUDA, bf16/f16/fp8 need a KV
+    /// cache of the activation dtype (--kv-dtype bf16 or f16); --kv-cache-fraction
+    /// is then a fraction of the GPU's free memory after the weights.
     #[arg(long, env = "ENVELOPE_DEVICE", default_value = "cpu")]
     pub device: envelope_cuda::DeviceSetting,
 }
@@ -205,17 +227,21 @@ impl EngineArgs {
     }
 }
 
-/// Resolves a device setting (`--device`, `target.device`) into the backend
-/// that runs: the one place the decision is made. `cuda` fails with the
-/// reason (no driver, no GPU, library missing, or the CUDA forward not built
-/// yet); `auto` logs why it fell back to the CPU.
-pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<()> {
+/// Resolves a device setting (`--device`, `target.device`) into where the
+/// engine runs: the one place the decision is made. `cuda` fails with the
+/// reason (no driver, no GPU, library missing); `auto` takes CUDA device 0
+/// when it opens, else logs why it fell back to the CPU.
+pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<Placement> {
     match envelope_cuda::select(setting)? {
         envelope_cuda::Selected::Cpu { note } => {
             if let Some(n) = note {
                 tracing::warn!("{n}");
             }
-            Ok(())
+            Ok(Placement::Cpu)
+        }
+        envelope_cuda::Selected::Cuda { ordinal, device } => {
+            tracing::info!("running on CUDA device {ordinal}: {device}");
+            Ok(Placement::Cuda { ordinal })
         }
     }
 }

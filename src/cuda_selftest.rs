@@ -1,12 +1,22 @@
 //! `envelope cuda-selftest --out DIR` (hidden; run by scripts/device-check.sh
 //! on a GPU machine): device and NVML facts, NVRTC compile of every kernel,
 //! each kernel against its CPU reference; `DIR/selftest.json`. Exits 1
-//! unless everything passed.
+//! unless everything passed. `--models`: whole dummy models on the GPU
+//! against the CPU engine (`DIR/model-check.json`); `--bench`: tokens/s of
+//! a model on the GPU (`DIR/bench-cuda.json` and `.csv`).
 
 use crate::cli::CudaSelftestArgs;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use envelope_engine::cuda_check;
+use envelope_engine::{KvDtype, Precision};
 
 pub fn run(args: &CudaSelftestArgs) -> Result<()> {
+    if args.models {
+        return models(args);
+    }
+    if args.bench {
+        return bench(args);
+    }
     let nvml = match envelope_telemetry::Nvml::init() {
         Ok(n) => serde_json::json!({
             "driver_version": n.driver_version(),
@@ -90,6 +100,146 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
     );
     if !rep.ok() {
         bail!("the CUDA self-test did not pass (see above)");
+    }
+    Ok(())
+}
+
+fn write_json(path: &std::path::Path, v: &impl serde::Serialize) -> Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(v)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn models(args: &CudaSelftestArgs) -> Result<()> {
+    let mut all = Vec::new();
+    println!(
+        "{:<6} {:<24} {:<5} {:>12} {:>10} {:>9} {:>6} {:>8}  greedy cpu | gpu",
+        "result", "model", "prec", "max_abs", "rel_max", "cosine", "top1=", "equal"
+    );
+    for spec in &args.check_models {
+        for (p, kv) in [
+            (Precision::F32, KvDtype::F32),
+            (Precision::Bf16, KvDtype::Bf16),
+        ] {
+            let r = cuda_check::model_check(spec, p, kv, args.ordinal, 24, 8);
+            let (abs, rel, cos, top) =
+                r.logits.map_or((f32::NAN, f32::NAN, f32::NAN, false), |d| {
+                    (
+                        d.max_abs_diff,
+                        d.rel_to_max,
+                        d.cosine,
+                        d.top1_cpu == d.top1_gpu,
+                    )
+                });
+            println!(
+                "{:<6} {:<24} {:<5} {:>12.3e} {:>10.3e} {:>9.5} {:>6} {:>5}/{:<2}  {:?} | {:?}{}",
+                if r.passed { "ok" } else { "FAIL" },
+                spec,
+                p.as_str(),
+                abs,
+                rel,
+                cos,
+                top,
+                r.greedy_equal,
+                r.greedy_cpu.len(),
+                r.greedy_cpu,
+                r.greedy_gpu,
+                r.error
+                    .as_deref()
+                    .map(|e| format!(" ERROR {e}"))
+                    .unwrap_or_default()
+            );
+            all.push(r);
+        }
+    }
+    let path = args.out.join("model-check.json");
+    write_json(&path, &all)?;
+    println!("wrote {}", path.display());
+    if all.iter().any(|r| !r.passed) {
+        bail!("a model check did not pass (see above)");
+    }
+    Ok(())
+}
+
+fn bench(args: &CudaSelftestArgs) -> Result<()> {
+    let nvml = envelope_telemetry::Nvml::init().ok();
+    let ordinal = args.ordinal as u32;
+    let used = || {
+        nvml.as_ref()
+            .and_then(|n| n.sample(ordinal, None).memory_used_bytes)
+    };
+    let mut runs = Vec::new();
+    let mut csv = String::from(
+        "model,precision,phase,batch,context,steps,seconds,tok_per_s,ms_per_step,note\n",
+    );
+    println!(
+        "{:<22} {:<5} {:<8} {:>5} {:>6} {:>12} {:>10}",
+        "model", "prec", "phase", "batch", "ctx", "tok/s", "ms/step"
+    );
+    for p in [Precision::Bf16, Precision::Fp8] {
+        let r = cuda_check::bench(
+            &args.bench_model,
+            p,
+            KvDtype::Bf16,
+            args.ordinal,
+            &[1, 8, 64],
+            &[1024, 8192],
+            8,
+            16_384,
+            &used,
+        );
+        println!(
+            "{} {}: weights {:.2} GiB (analytic {:.2} GiB, NVML +{:.2} GiB), loaded in {:.1} s{}",
+            r.model,
+            p,
+            r.weight_bytes as f64 / (1u64 << 30) as f64,
+            r.weight_bytes_analytic as f64 / (1u64 << 30) as f64,
+            r.device_bytes_used_by_load.unwrap_or(0) as f64 / (1u64 << 30) as f64,
+            r.load_seconds,
+            r.error
+                .as_deref()
+                .map(|e| format!(" ERROR {e}"))
+                .unwrap_or_default()
+        );
+        for q in &r.points {
+            println!(
+                "{:<22} {:<5} {:<8} {:>5} {:>6} {:>12.1} {:>10.2}{}",
+                q.model,
+                q.precision.as_str(),
+                q.phase,
+                q.batch,
+                q.context,
+                q.tok_per_s,
+                q.ms_per_step,
+                q.note
+                    .as_deref()
+                    .filter(|n| n.starts_with("skipped"))
+                    .map(|n| format!("  {n}"))
+                    .unwrap_or_default()
+            );
+            csv.push_str(&format!(
+                "{},{},{},{},{},{},{:.6},{:.2},{:.3},{}\n",
+                q.model,
+                q.precision.as_str(),
+                q.phase,
+                q.batch,
+                q.context,
+                q.steps,
+                q.seconds,
+                q.tok_per_s,
+                q.ms_per_step,
+                q.note.as_deref().unwrap_or("").replace(',', ";")
+            ));
+        }
+        runs.push(r);
+    }
+    write_json(&args.out.join("bench-cuda.json"), &runs)?;
+    std::fs::write(args.out.join("bench-cuda.csv"), csv)?;
+    println!("wrote {}/bench-cuda.json and .csv", args.out.display());
+    if runs.iter().any(|r| r.error.is_some()) {
+        bail!("a bench run failed (see above)");
     }
     Ok(())
 }

@@ -35,9 +35,9 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::BenchEngine(args) => {
-            cli::resolve_device(args.engine.device)?;
+            let placement = cli::resolve_device(args.engine.device)?;
             args.engine.apply_threads();
-            let report = bench::run(&args)?;
+            let report = bench::run(&args, placement)?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -74,12 +74,17 @@ fn run(cli: Cli) -> Result<()> {
             sweep::run(&args)
         }
         Command::Generate(args) => {
-            cli::resolve_device(args.engine.device)?;
+            let placement = cli::resolve_device(args.engine.device)?;
             args.engine.apply_threads();
-            let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
-                .with_context(|| format!("loading --model {}", args.engine.model))?;
+            let handle = EngineHandle::load_and_spawn(
+                &args.engine.model,
+                &args.engine.load_options(),
+                placement,
+                &args.engine.engine_config()?,
+            )
+            .with_context(|| format!("loading --model {}", args.engine.model))?;
             let text = if args.chat {
-                loaded.chat_template.render(
+                handle.chat_template.render(
                     &[ChatMessage {
                         role: "user".into(),
                         content: args.prompt.clone(),
@@ -89,8 +94,7 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 args.prompt.clone()
             };
-            let prompt_tokens = loaded.tokenizer.encode(&text)?;
-            let handle = EngineHandle::spawn(loaded, &args.engine.engine_config()?)?;
+            let prompt_tokens = handle.tokenizer.encode(&text)?;
             let params = SamplingParams {
                 temperature: args.temperature,
                 seed: args.seed,
@@ -108,14 +112,19 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn serve(args: cli::ServeArgs) -> Result<()> {
-    cli::resolve_device(args.engine.device)?;
+    let placement = cli::resolve_device(args.engine.device)?;
     args.engine.apply_threads();
     let cfg = args.engine.engine_config()?;
-    let loaded = envelope_engine::load(&args.engine.model, &args.engine.load_options())
-        .with_context(|| format!("loading --model {}", args.engine.model))?;
-    let info = loaded.info.clone();
+    let handle = EngineHandle::load_and_spawn(
+        &args.engine.model,
+        &args.engine.load_options(),
+        placement,
+        &cfg,
+    )
+    .with_context(|| format!("loading --model {}", args.engine.model))?;
+    let info = handle.info.model.clone();
     tracing::info!(
-        "loaded {} in {:.1}s: {} parameters, weights {:.1} MiB ({})",
+        "loaded {} on {placement} in {:.1}s: {} parameters, weights {:.1} MiB ({})",
         info.source,
         info.load_seconds,
         info.weights.num_parameters,
@@ -126,7 +135,6 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| info.name.clone());
-    let handle = EngineHandle::spawn(loaded, &cfg)?;
     let ei = &handle.info;
     tracing::info!(
         "KV cache: {} blocks x {} tokens = {} tokens, {:.1} MiB ({} bytes/token, {}); max model len {}",

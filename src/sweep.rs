@@ -7,8 +7,8 @@ use envelope_harness::{BenchConfig, SweepEvent};
 use envelope_telemetry::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerprint};
 
 pub fn run(args: &SweepArgs) -> Result<()> {
-    let cfg = BenchConfig::load(&args.config)?;
-    if let Some(d) = &cfg.device {
+    let mut cfg = BenchConfig::load(&args.config)?;
+    if let Some(d) = cfg.device.clone() {
         if !matches!(cfg.target, Target::Engine) {
             anyhow::bail!(
                 "{}: target.device applies to the engine target only",
@@ -18,7 +18,8 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         let setting: envelope_cuda::DeviceSetting = d
             .parse()
             .map_err(|e| anyhow::anyhow!("{}: target.device: {e}", args.config.display()))?;
-        crate::cli::resolve_device(setting)?;
+        // The harness gets the resolved placement (`auto` decided here).
+        cfg.device = Some(crate::cli::resolve_device(setting)?.to_string());
     }
     // A file or dummy preset is hashed; a name another server serves is kept as its id.
     let model = match &cfg.target {

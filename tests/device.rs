@@ -1,7 +1,7 @@
 //! `--device cpu|cuda[:N]|auto` (issue #7) through the binary. On a machine
 //! without a GPU (CI), `cuda` exits non-zero naming the reason and `auto`
-//! runs on the CPU and says it fell back. On a GPU machine `cuda` still
-//! exits non-zero, saying the CUDA model forward is not built yet.
+//! runs on the CPU and says it fell back. On a GPU machine those two tests
+//! have nothing to check and say so (scripts/device-check.sh runs the GPU).
 
 use std::process::{Command, Output};
 
@@ -30,8 +30,16 @@ const SMALL_BENCH: &[&str] = &[
     "4MiB",
 ];
 
-/// The reason `cuda` cannot run here: a missing library or device, or (on a
-/// GPU machine) the forward pass that does not exist yet.
+/// A GPU is usable here: the no-GPU expectations do not apply.
+fn gpu_present() -> bool {
+    let present = envelope_cuda::Device::open(0).is_ok();
+    if present {
+        eprintln!("a CUDA device is present: the no-GPU checks do not apply here");
+    }
+    present
+}
+
+/// The reason `cuda` cannot run here: a missing library or device.
 fn names_a_reason(stderr: &str) -> bool {
     [
         "libcuda.so",
@@ -39,7 +47,6 @@ fn names_a_reason(stderr: &str) -> bool {
         "libcublas",
         "no CUDA device",
         "does not exist",
-        "not built yet (issue #7)",
         "driver call",
     ]
     .iter()
@@ -48,6 +55,9 @@ fn names_a_reason(stderr: &str) -> bool {
 
 #[test]
 fn cuda_exits_nonzero_with_the_reason() {
+    if gpu_present() {
+        return;
+    }
     for (cmd, dev) in [
         (&["bench-engine", "--model", "dummy:tiny"][..], "cuda"),
         (
@@ -72,6 +82,9 @@ fn cuda_exits_nonzero_with_the_reason() {
 
 #[test]
 fn auto_runs_on_the_cpu_and_says_it_fell_back() {
+    if gpu_present() {
+        return;
+    }
     let mut args = SMALL_BENCH.to_vec();
     args.extend(["--device", "auto"]);
     let r = envelope(&args);
@@ -128,6 +141,7 @@ fn sweep_reads_target_device() {
         p.display().to_string()
     };
     let out = dir.join("out").display().to_string();
+    let gpu = gpu_present();
     let r = envelope(&[
         "sweep",
         "--config",
@@ -136,11 +150,13 @@ fn sweep_reads_target_device() {
         &out,
     ]);
     let err = String::from_utf8_lossy(&r.stderr);
-    assert!(!r.status.success());
-    assert!(
-        err.contains("--device cuda:0") && names_a_reason(&err),
-        "{err}"
-    );
+    if !gpu {
+        assert!(!r.status.success());
+        assert!(
+            err.contains("--device cuda:0") && names_a_reason(&err),
+            "{err}"
+        );
+    }
     let r = envelope(&["sweep", "--config", &config("tpu", "engine"), "--out", &out]);
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(

@@ -38,7 +38,14 @@ pub const KERNELS: &[KernelSource] = &[
     ),
     k!(
         "residual_add.cu",
-        ["residual_add_f32", "residual_add_f16", "residual_add_bf16"]
+        [
+            "residual_add_f32",
+            "residual_add_f16",
+            "residual_add_bf16",
+            "bias_add_f32",
+            "bias_add_f16",
+            "bias_add_bf16"
+        ]
     ),
     k!(
         "kv_append.cu",
@@ -93,6 +100,21 @@ pub const KERNELS: &[KernelSource] = &[
             "top_p_sample_f32",
             "top_p_sample_f16",
             "top_p_sample_bf16"
+        ]
+    ),
+    k!(
+        "dummy.cu",
+        ["dummy_fill_f32", "dummy_fill_f16", "dummy_fill_bf16"]
+    ),
+    k!(
+        "fp8.cu",
+        [
+            "absmax_f32",
+            "absmax_f16",
+            "absmax_bf16",
+            "quant_fp8_f32",
+            "quant_fp8_f16",
+            "quant_fp8_bf16"
         ]
     ),
 ];

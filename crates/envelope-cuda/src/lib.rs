@@ -42,6 +42,7 @@ pub mod libs;
 pub mod memory;
 pub mod nvrtc;
 pub mod reference;
+pub mod runtime;
 pub mod selftest;
 pub mod setting;
 

@@ -1,7 +1,8 @@
 //! `--device cpu|cuda[:N]|auto`: parsed once into a [`DeviceSetting`], then
-//! resolved into the backend that will run ([`select`]). Today only the CPU
-//! engine exists, so `cuda` fails after a successful device open with an
-//! honest "not built yet" and `auto` falls back to the CPU, saying why.
+//! resolved into the backend that will run ([`select`]): `cuda` opens the
+//! device or fails with the reason (no driver, no GPU, library missing);
+//! `auto` takes device 0 when it opens and otherwise falls back to the CPU,
+//! saying why.
 
 use crate::device::Device;
 use crate::error::CudaError;
@@ -53,19 +54,19 @@ impl fmt::Display for DeviceSetting {
 pub enum SelectError {
     #[error("--device cuda:{ordinal}: no usable CUDA device: {reason}")]
     Unavailable { ordinal: usize, reason: CudaError },
-    #[error("--device cuda:{ordinal}: opened {device}, but the CUDA model forward is not built yet (issue #7); use --device cpu")]
-    ForwardNotBuilt { ordinal: usize, device: String },
 }
 
-/// The backend that runs. Only the CPU exists today.
+/// The backend that runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Selected {
     /// `note` says why `auto` fell back, when it did.
     Cpu { note: Option<String> },
+    /// `device` names the GPU that opened.
+    Cuda { ordinal: usize, device: String },
 }
 
-/// Resolves the setting: `cpu` at once; `cuda` opens the device and then
-/// refuses (no forward pass yet); `auto` tries device 0 and falls back.
+/// Resolves the setting: `cpu` at once; `cuda` opens the device or says
+/// why it cannot; `auto` tries device 0 and falls back to the CPU.
 pub fn select(setting: DeviceSetting) -> Result<Selected, SelectError> {
     select_with(setting, |o| {
         Device::open(o).map(|d| {
@@ -85,16 +86,16 @@ pub fn select_with(
     match setting {
         DeviceSetting::Cpu => Ok(Selected::Cpu { note: None }),
         DeviceSetting::Cuda { ordinal } => match open(ordinal) {
-            Ok(device) => Err(SelectError::ForwardNotBuilt { ordinal, device }),
+            Ok(device) => Ok(Selected::Cuda { ordinal, device }),
             Err(reason) => Err(SelectError::Unavailable { ordinal, reason }),
         },
-        DeviceSetting::Auto => Ok(Selected::Cpu {
-            note: Some(match open(0) {
-                Ok(device) => format!(
-                    "--device auto: found {device}, but the CUDA model forward is not built yet (issue #7); falling back to the CPU"
-                ),
-                Err(e) => format!("--device auto: no usable CUDA device ({e}); falling back to the CPU"),
-            }),
+        DeviceSetting::Auto => Ok(match open(0) {
+            Ok(device) => Selected::Cuda { ordinal: 0, device },
+            Err(e) => Selected::Cpu {
+                note: Some(format!(
+                    "--device auto: no usable CUDA device ({e}); falling back to the CPU"
+                )),
+            },
         }),
     }
 }
@@ -131,25 +132,30 @@ mod tests {
     }
 
     #[test]
-    fn cuda_with_a_gpu_says_the_forward_is_not_built() {
-        let e = select_with(DeviceSetting::Cuda { ordinal: 0 }, |_| {
-            Ok("NVIDIA H200".into())
+    fn cuda_with_a_gpu_selects_it() {
+        let s = select_with(DeviceSetting::Cuda { ordinal: 2 }, |o| {
+            Ok(format!("NVIDIA H200 #{o}"))
         })
-        .unwrap_err();
-        let m = e.to_string();
-        assert!(
-            m.contains("NVIDIA H200") && m.contains("not built yet (issue #7)"),
-            "{m}"
+        .unwrap();
+        assert_eq!(
+            s,
+            Selected::Cuda {
+                ordinal: 2,
+                device: "NVIDIA H200 #2".into()
+            }
         );
     }
 
     #[test]
     fn auto_falls_back_and_says_why() {
-        let Selected::Cpu { note } = select_with(DeviceSetting::Auto, missing).unwrap();
+        let Selected::Cpu { note } = select_with(DeviceSetting::Auto, missing).unwrap() else {
+            panic!("auto without a driver must fall back to the CPU");
+        };
         assert!(note.unwrap().contains("libcuda.so"));
-        let Selected::Cpu { note } =
-            select_with(DeviceSetting::Auto, |_| Ok("H200".into())).unwrap();
-        assert!(note.unwrap().contains("not built yet"));
+        assert!(matches!(
+            select_with(DeviceSetting::Auto, |_| Ok("H200".into())).unwrap(),
+            Selected::Cuda { ordinal: 0, .. }
+        ));
         assert_eq!(
             select_with(DeviceSetting::Cpu, missing).unwrap(),
             Selected::Cpu { note: None }

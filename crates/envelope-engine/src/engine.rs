@@ -174,11 +174,73 @@ impl Sequence {
     }
 }
 
+/// Runs a step's forward pass: the CPU model over its host KV pool, or a
+/// model on a GPU ([`crate::cuda::CudaModel`]). Everything else in a step
+/// (scheduling, blocks, sampling, stop rules) is the engine's, shared.
+pub trait StepRunner: Send {
+    /// One f32 logits row per chunk that wants logits, in chunk order.
+    fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>>;
+}
+
+struct CpuRunner {
+    model: Model,
+    kv: KvPool,
+}
+
+impl StepRunner for CpuRunner {
+    fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
+        Ok(match self.model.forward(&mut self.kv, chunks)? {
+            Some(l) => l.to_vec2::<f32>()?,
+            None => Vec::new(),
+        })
+    }
+}
+
+impl StepRunner for crate::cuda::CudaModel {
+    fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
+        crate::cuda::CudaModel::forward(self, chunks)
+    }
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    #[default]
+    Cpu,
+    Cuda {
+        ordinal: usize,
+    },
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Cpu => f.write_str("cpu"),
+            Placement::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    /// `cpu`, `cuda` or `cuda:N` (`auto` is resolved before it gets here).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Placement::Cpu),
+            "cuda" => Ok(Placement::Cuda { ordinal: 0 }),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| Placement::Cuda { ordinal })
+                .ok_or_else(|| format!("`{s}` is not cpu, cuda or cuda:N")),
+        }
+    }
+}
+
 /// The step machine. Single-threaded; `EngineHandle` runs it on a thread.
 pub struct Engine {
-    model: Model,
+    runner: Box<dyn StepRunner>,
     tokenizer: Arc<TextTokenizer>,
-    kv: KvPool,
     scheduler: Scheduler,
     seqs: HashMap<SeqId, Sequence>,
     next_id: SeqId,
@@ -197,13 +259,30 @@ pub fn host_available_bytes() -> Option<usize> {
 }
 
 impl Engine {
-    pub fn new(
-        model: Model,
-        tokenizer: Arc<TextTokenizer>,
-        info: ModelInfo,
+    /// Loads `spec` where `placement` says and builds the engine around it.
+    pub fn load(
+        spec: &str,
+        opts: &crate::load::LoadOptions,
+        placement: Placement,
         cfg: &EngineConfig,
-    ) -> Result<Engine> {
-        let mc = &model.config;
+    ) -> Result<(Engine, Arc<ChatTemplate>)> {
+        match placement {
+            Placement::Cpu => {
+                let loaded = crate::load::load(spec, opts)?;
+                let engine =
+                    Engine::new(loaded.model, Arc::new(loaded.tokenizer), loaded.info, cfg)?;
+                Ok((engine, Arc::new(loaded.chat_template)))
+            }
+            Placement::Cuda { ordinal } => {
+                let loaded = crate::load::load_cuda(spec, opts, ordinal)?;
+                let engine =
+                    Engine::new_cuda(loaded.model, Arc::new(loaded.tokenizer), loaded.info, cfg)?;
+                Ok((engine, Arc::new(loaded.chat_template)))
+            }
+        }
+    }
+
+    fn check_config(cfg: &EngineConfig) -> Result<()> {
         if cfg.block_size == 0 {
             return Err(EngineError::InvalidSetting {
                 field: "block_size",
@@ -216,6 +295,40 @@ impl Engine {
                 message: "max_num_seqs and max_num_batched_tokens must be > 0".into(),
             });
         }
+        Ok(())
+    }
+
+    /// The engine on a GPU model: the KV pool is sized in device memory.
+    pub fn new_cuda(
+        mut model: crate::cuda::CudaModel,
+        tokenizer: Arc<TextTokenizer>,
+        info: ModelInfo,
+        cfg: &EngineConfig,
+    ) -> Result<Engine> {
+        Self::check_config(cfg)?;
+        let plan = model.allocate_kv(cfg)?;
+        let mc = model.config.clone();
+        Ok(Self::assemble(
+            Box::new(model),
+            &mc,
+            plan.num_blocks,
+            plan.bytes_per_token,
+            plan.pool_bytes,
+            tokenizer,
+            info,
+            cfg,
+        ))
+    }
+
+    /// The engine on the CPU model: the KV pool is sized in host memory.
+    pub fn new(
+        model: Model,
+        tokenizer: Arc<TextTokenizer>,
+        info: ModelInfo,
+        cfg: &EngineConfig,
+    ) -> Result<Engine> {
+        Self::check_config(cfg)?;
+        let mc = &model.config;
         let bytes_per_token = mc.kv_bytes_per_token(cfg.kv_dtype.elem_bytes());
         let budget = match cfg.kv_budget {
             KvBudget::Bytes(b) => b,
@@ -252,6 +365,31 @@ impl Engine {
             head_dim: mc.head_dim,
         };
         let kv = KvPool::new(geometry, cfg.kv_dtype);
+        let (per_token, pool) = (kv.bytes_per_token(), kv.bytes());
+        let mc = mc.clone();
+        Ok(Self::assemble(
+            Box::new(CpuRunner { model, kv }),
+            &mc,
+            num_blocks,
+            per_token,
+            pool,
+            tokenizer,
+            info,
+            cfg,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        runner: Box<dyn StepRunner>,
+        mc: &crate::config::ModelConfig,
+        num_blocks: usize,
+        kv_bytes_per_token: usize,
+        kv_pool_bytes: usize,
+        tokenizer: Arc<TextTokenizer>,
+        info: ModelInfo,
+        cfg: &EngineConfig,
+    ) -> Engine {
         let max_model_len = cfg.max_model_len.unwrap_or(mc.max_position_embeddings);
         let metrics = Arc::new(EngineMetrics::default());
         metrics.kv_blocks_total.store(num_blocks, Ordering::Relaxed);
@@ -260,24 +398,23 @@ impl Engine {
             kv_dtype: cfg.kv_dtype,
             block_size: cfg.block_size,
             kv_blocks_total: num_blocks,
-            kv_bytes_per_token: kv.bytes_per_token(),
-            kv_pool_bytes: kv.bytes(),
+            kv_bytes_per_token,
+            kv_pool_bytes,
             kv_capacity_tokens: num_blocks * cfg.block_size,
             max_model_len,
             scheduler: cfg.scheduler.clone(),
         };
-        Ok(Engine {
+        Engine {
             eos: mc.eos_token_ids.clone(),
             scheduler: Scheduler::new(cfg.scheduler.clone(), cfg.block_size, num_blocks),
-            model,
+            runner,
             tokenizer,
-            kv,
             seqs: HashMap::new(),
             next_id: 0,
             info,
             metrics,
             step: 0,
-        })
+        }
     }
 
     /// Checks a request against the model's context and the KV pool.
@@ -399,7 +536,7 @@ impl Engine {
                 want_logits: w.samples,
             })
             .collect();
-        let logits = self.model.forward(&mut self.kv, &chunks);
+        let logits = self.runner.forward(&chunks);
         drop(chunks);
         let logits = match logits {
             Ok(l) => l,
@@ -415,10 +552,7 @@ impl Engine {
                 return Err(e);
             }
         };
-        let rows: Vec<Vec<f32>> = match logits {
-            Some(l) => l.to_vec2::<f32>()?,
-            None => Vec::new(),
-        };
+        let rows: Vec<Vec<f32>> = logits;
         let mut row = 0;
         let now = Instant::now();
         let mut decode_tokens = 0;
@@ -655,7 +789,27 @@ pub struct EngineHandle {
 impl EngineHandle {
     pub fn spawn(loaded: LoadedModel, cfg: &EngineConfig) -> Result<EngineHandle> {
         let tokenizer = Arc::new(loaded.tokenizer);
-        let mut engine = Engine::new(loaded.model, tokenizer.clone(), loaded.info, cfg)?;
+        let engine = Engine::new(loaded.model, tokenizer, loaded.info, cfg)?;
+        Self::spawn_engine(engine, Arc::new(loaded.chat_template))
+    }
+
+    /// Loads `spec` where `placement` says and runs the engine on its thread.
+    pub fn load_and_spawn(
+        spec: &str,
+        opts: &crate::load::LoadOptions,
+        placement: Placement,
+        cfg: &EngineConfig,
+    ) -> Result<EngineHandle> {
+        let (engine, template) = Engine::load(spec, opts, placement, cfg)?;
+        Self::spawn_engine(engine, template)
+    }
+
+    /// Runs a built engine on its own thread.
+    pub fn spawn_engine(
+        mut engine: Engine,
+        chat_template: Arc<ChatTemplate>,
+    ) -> Result<EngineHandle> {
+        let tokenizer = engine.tokenizer.clone();
         let info = Arc::new(engine.info.clone());
         let metrics = engine.metrics.clone();
         let (tx, rx) = mpsc::channel::<Command>();
@@ -684,7 +838,7 @@ impl EngineHandle {
             info,
             metrics,
             tokenizer,
-            chat_template: Arc::new(loaded.chat_template),
+            chat_template,
         })
     }
 

@@ -44,6 +44,8 @@ pub enum EngineError {
     ShutDown,
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Cuda(#[from] envelope_cuda::CudaError),
 }
 
 impl EngineError {

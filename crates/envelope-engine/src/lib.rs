@@ -6,6 +6,8 @@
 pub mod attention;
 pub mod chat;
 pub mod config;
+pub mod cuda;
+pub mod cuda_check;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;
@@ -24,10 +26,10 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use engine::{
     Engine, EngineConfig, EngineHandle, EngineInfo, EngineMetrics, Event, FinishReason,
-    GenerateRequest, KvBudget, StepStats,
+    GenerateRequest, KvBudget, Placement, StepStats,
 };
 pub use error::{EngineError, Result};
-pub use load::{load, LoadOptions, LoadedModel, ModelInfo};
+pub use load::{load, load_cuda, LoadOptions, LoadedCuda, LoadedModel, ModelInfo};
 pub use precision::{KvDtype, Precision};
 pub use sampling::SamplingParams;
 pub use scheduler::{BatchPolicy, SchedulerConfig};

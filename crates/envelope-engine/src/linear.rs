@@ -82,6 +82,10 @@ impl Matrix {
             Precision::Bf16 => dense(raw.to_f32()?, DType::BF16),
             Precision::Q8_0 => quant(&raw, GgmlDType::Q8_0),
             Precision::Q4_0 => quant(&raw, GgmlDType::Q4_0),
+            Precision::Fp8 => Err(crate::error::EngineError::InvalidSetting {
+                field: "precision",
+                message: "fp8 runs on CUDA only (compute capability 8.9 or newer): use --device cuda, or bf16 on the CPU".into(),
+            }),
         }
     }
 
@@ -157,6 +161,10 @@ impl Linear {
 
     pub fn weight(&self) -> &Matrix {
         &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -39,6 +39,23 @@ pub struct LoadedModel {
     pub info: ModelInfo,
 }
 
+/// A model loaded on a GPU, with its tokenizer and template.
+pub struct LoadedCuda {
+    pub model: crate::cuda::CudaModel,
+    pub tokenizer: TextTokenizer,
+    pub chat_template: ChatTemplate,
+    pub info: ModelInfo,
+}
+
+/// What every backend needs besides the weights.
+struct Prepared {
+    start: Instant,
+    source: ModelSource,
+    config: crate::config::ModelConfig,
+    tokenizer: TextTokenizer,
+    chat_template: ChatTemplate,
+}
+
 fn hf_template(dir: &std::path::Path) -> Result<Option<(String, String, String)>> {
     let path = dir.join("tokenizer_config.json");
     let Ok(text) = std::fs::read_to_string(&path) else {
@@ -67,7 +84,57 @@ fn hf_template(dir: &std::path::Path) -> Result<Option<(String, String, String)>
     Ok(template.map(|t| (t, tok("bos_token"), tok("eos_token"))))
 }
 
+/// Loads `spec` for the CPU engine, in `opts.precision`.
 pub fn load(spec: &str, opts: &LoadOptions) -> Result<LoadedModel> {
+    let p = prepare(spec, opts)?;
+    let weights = load_weights(&p.source, &p.config, opts.precision)?;
+    let report = weights.report(&p.config);
+    let info = p.info(spec, opts, report);
+    Ok(LoadedModel {
+        model: Model::new(p.config, weights),
+        tokenizer: p.tokenizer,
+        chat_template: p.chat_template,
+        info,
+    })
+}
+
+/// Loads `spec` onto CUDA device `ordinal`, in `opts.precision`
+/// (`dummy:` presets are generated on the device).
+pub fn load_cuda(spec: &str, opts: &LoadOptions, ordinal: usize) -> Result<LoadedCuda> {
+    let p = prepare(spec, opts)?;
+    let model = crate::cuda::CudaModel::load(&p.source, &p.config, opts.precision, ordinal)?;
+    let info = p.info(spec, opts, model.report.clone());
+    Ok(LoadedCuda {
+        model,
+        tokenizer: p.tokenizer,
+        chat_template: p.chat_template,
+        info,
+    })
+}
+
+impl Prepared {
+    fn info(&self, spec: &str, opts: &LoadOptions, weights: WeightReport) -> ModelInfo {
+        ModelInfo {
+            source: spec.to_string(),
+            name: self.source.display_name(),
+            precision: opts.precision,
+            config: self.config.clone(),
+            weights,
+            file_bytes: match &self.source {
+                ModelSource::Gguf(p) => std::fs::metadata(p).ok().map(|m| m.len()),
+                _ => None,
+            },
+            load_seconds: self.start.elapsed().as_secs_f64(),
+            tokenizer: if self.tokenizer.is_byte_fallback() {
+                "bytes".into()
+            } else {
+                "bpe".into()
+            },
+        }
+    }
+}
+
+fn prepare(spec: &str, opts: &LoadOptions) -> Result<Prepared> {
     let start = Instant::now();
     let source = ModelSource::parse(spec)?;
     let meta = read_meta(&source)?;
@@ -118,30 +185,11 @@ pub fn load(spec: &str, opts: &LoadOptions) -> Result<LoadedModel> {
     };
     let chat_template = ChatTemplate::new(template.as_deref().unwrap_or(CHATML), &bos, &eos)?;
 
-    let weights = load_weights(&source, &config, opts.precision)?;
-    let report = weights.report(&config);
-    let file_bytes = match &source {
-        ModelSource::Gguf(p) => std::fs::metadata(p).ok().map(|m| m.len()),
-        _ => None,
-    };
-    let info = ModelInfo {
-        source: spec.to_string(),
-        name: source.display_name(),
-        precision: opts.precision,
-        config: config.clone(),
-        weights: report,
-        file_bytes,
-        load_seconds: start.elapsed().as_secs_f64(),
-        tokenizer: if tokenizer.is_byte_fallback() {
-            "bytes".into()
-        } else {
-            "bpe".into()
-        },
-    };
-    Ok(LoadedModel {
-        model: Model::new(config, weights),
+    Ok(Prepared {
+        start,
+        source,
+        config,
         tokenizer,
         chat_template,
-        info,
     })
 }

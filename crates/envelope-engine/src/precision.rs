@@ -18,16 +18,21 @@ pub enum Precision {
     Bf16,
     Q8_0,
     Q4_0,
+    /// e4m3 weights with a per-tensor scale, multiplied as fp8 (W8A8 with
+    /// dynamic per-tensor activation scales): CUDA only, compute
+    /// capability 8.9 or newer.
+    Fp8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 6] = [
+    pub const ALL: [Precision; 7] = [
         Precision::AsStored,
         Precision::F32,
         Precision::F16,
         Precision::Bf16,
         Precision::Q8_0,
         Precision::Q4_0,
+        Precision::Fp8,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -38,6 +43,7 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Q8_0 => "q8_0",
             Precision::Q4_0 => "q4_0",
+            Precision::Fp8 => "fp8",
         }
     }
 }
@@ -59,7 +65,7 @@ impl FromStr for Precision {
             })
             .ok_or_else(|| EngineError::InvalidSetting {
                 field: "precision",
-                message: format!("`{s}` is not one of as-stored, f32, f16, bf16, q8_0, q4_0"),
+                message: format!("`{s}` is not one of as-stored, f32, f16, bf16, q8_0, q4_0, fp8"),
             })
     }
 }

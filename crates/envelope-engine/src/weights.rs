@@ -144,8 +144,8 @@ impl ModelWeights {
 }
 
 /// Canonical tensor roles; each source maps them to its own names.
-#[derive(Clone, Copy)]
-enum Role {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
     Embedding,
     FinalNorm,
     LmHead,
@@ -184,7 +184,7 @@ fn gguf_name(role: Role, layer: usize) -> String {
     }
 }
 
-fn hf_name(role: Role, layer: usize) -> String {
+pub(crate) fn hf_name(role: Role, layer: usize) -> String {
     let l = |s: &str| format!("model.layers.{layer}.{s}");
     match role {
         Role::Embedding => "model.embed_tokens.weight".into(),
@@ -278,9 +278,50 @@ fn fnv1a(s: &str) -> u64 {
     })
 }
 
+/// The per-tensor key of the dummy generator: element `i` of the tensor is
+/// a function of `splitmix64(key ^ i)` only (kernels/dummy.cu computes the
+/// same on the GPU).
+pub fn dummy_key(seed: u64, name: &str) -> u64 {
+    splitmix64(seed ^ fnv1a(name))
+}
+
+/// How a `dummy:` preset fills one tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum DummyInit {
+    /// Not in the model (a tied LM head, a bias the architecture lacks).
+    Absent,
+    /// Norm weights: all ones, `[len]`.
+    Ones(usize),
+    /// Uniform in [-scale, scale), then rounded to bf16.
+    Uniform { shape: Vec<usize>, scale: f32 },
+}
+
+/// The dummy initialisation of `role`: shapes of the config, scales that
+/// keep activations of order one through the layers.
+pub(crate) fn dummy_init(c: &ModelConfig, role: Role) -> DummyInit {
+    let q = c.num_heads * c.head_dim;
+    let kv = c.num_kv_heads * c.head_dim;
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    let (shape, scale): (Vec<usize>, f32) = match role {
+        Role::Embedding => (vec![c.vocab_size, h], 1.0),
+        Role::LmHead if c.tie_word_embeddings => return DummyInit::Absent,
+        Role::LmHead => (vec![c.vocab_size, h], 1.0 / (h as f32).sqrt()),
+        Role::FinalNorm | Role::AttnNorm | Role::FfnNorm => return DummyInit::Ones(h),
+        Role::Q => (vec![q, h], (3.0 / h as f32).sqrt()),
+        Role::K | Role::V => (vec![kv, h], (3.0 / h as f32).sqrt()),
+        Role::O => (vec![h, q], (3.0 / q as f32).sqrt()),
+        Role::QBias | Role::KBias | Role::VBias if !c.attention_bias => return DummyInit::Absent,
+        Role::QBias => (vec![q], 0.02),
+        Role::KBias | Role::VBias => (vec![kv], 0.02),
+        Role::Gate | Role::Up => (vec![f, h], (3.0 / h as f32).sqrt()),
+        Role::Down => (vec![h, f], (3.0 / f as f32).sqrt()),
+    };
+    DummyInit::Uniform { shape, scale }
+}
+
 /// Uniform values in [-scale, scale), deterministic in (seed, name, index).
 pub fn dummy_values(seed: u64, name: &str, len: usize, scale: f32) -> Vec<f32> {
-    let key = splitmix64(seed ^ fnv1a(name));
+    let key = dummy_key(seed, name);
     let mut out = vec![0f32; len];
     out.par_chunks_mut(1 << 16)
         .enumerate()
@@ -297,29 +338,16 @@ pub fn dummy_values(seed: u64, name: &str, len: usize, scale: f32) -> Vec<f32> {
 
 impl TensorSource for DummySource {
     fn get(&mut self, role: Role, layer: usize) -> Result<Option<RawWeight>> {
-        let c = &self.cfg;
-        let q = c.num_heads * c.head_dim;
-        let kv = c.num_kv_heads * c.head_dim;
-        let (h, f) = (c.hidden_size, c.intermediate_size);
-        let (shape, scale): (Vec<usize>, f32) = match role {
-            Role::Embedding => (vec![c.vocab_size, h], 1.0),
-            Role::LmHead if c.tie_word_embeddings => return Ok(None),
-            Role::LmHead => (vec![c.vocab_size, h], 1.0 / (h as f32).sqrt()),
-            Role::FinalNorm | Role::AttnNorm | Role::FfnNorm => {
+        let (shape, scale) = match dummy_init(&self.cfg, role) {
+            DummyInit::Absent => return Ok(None),
+            DummyInit::Ones(h) => {
                 return Ok(Some(RawWeight::Dense(Tensor::ones(
                     h,
                     DType::F32,
                     &Device::Cpu,
                 )?)))
             }
-            Role::Q => (vec![q, h], (3.0 / h as f32).sqrt()),
-            Role::K | Role::V => (vec![kv, h], (3.0 / h as f32).sqrt()),
-            Role::O => (vec![h, q], (3.0 / q as f32).sqrt()),
-            Role::QBias | Role::KBias | Role::VBias if !c.attention_bias => return Ok(None),
-            Role::QBias => (vec![q], 0.02),
-            Role::KBias | Role::VBias => (vec![kv], 0.02),
-            Role::Gate | Role::Up => (vec![f, h], (3.0 / h as f32).sqrt()),
-            Role::Down => (vec![h, f], (3.0 / f as f32).sqrt()),
+            DummyInit::Uniform { shape, scale } => (shape, scale),
         };
         let name = hf_name(role, layer);
         let len = shape.iter().product();

@@ -8,7 +8,8 @@ use crate::launch::{free_port, render, LaunchedServer};
 use crate::load::{closed_loop, open_loop, Driver, ProbeRun};
 use crate::stats::percentiles;
 use envelope_engine::{
-    EngineConfig, EngineHandle, KvBudget, LoadOptions, Precision, SchedulerConfig,
+    Engine, EngineConfig, EngineHandle, KvBudget, LoadOptions, Placement, Precision,
+    SchedulerConfig,
 };
 use envelope_profile::capacity::with_headroom;
 use envelope_profile::{
@@ -199,6 +200,7 @@ fn bytes_per_param(p: Precision) -> Option<f64> {
         Precision::F16 | Precision::Bf16 => Some(2.0),
         Precision::Q8_0 => Some(34.0 / 32.0),
         Precision::Q4_0 => Some(18.0 / 32.0),
+        Precision::Fp8 => Some(1.0),
         Precision::AsStored => None,
     }
 }
@@ -242,19 +244,12 @@ impl Session {
 fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
     let rss = || envelope_telemetry::host::sample(None).process_rss_bytes;
     let rss_before = rss();
-    let loaded = envelope_engine::load(
-        &cfg.model,
-        &LoadOptions {
-            precision: e.precision,
-            tokenizer: None,
-        },
-    )
-    .map_err(|err| format!("load failed: {err}"))?;
-    let resident_after_load_bytes = rss()
-        .zip(rss_before)
-        .map(|(after, before)| after.saturating_sub(before));
-    let params = loaded.info.weights.num_parameters as f64;
-    let weight_bytes = loaded.info.weights.total_bytes as u64;
+    let placement: Placement = cfg
+        .device
+        .as_deref()
+        .unwrap_or("cpu")
+        .parse()
+        .map_err(|err| format!("target.device: {err}"))?;
     let ecfg = EngineConfig {
         kv_dtype: e.kv_dtype,
         kv_budget: KvBudget::Bytes(cfg.kv_cache_bytes),
@@ -268,8 +263,19 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
         },
         max_model_len: None,
     };
-    let engine =
-        EngineHandle::spawn(loaded, &ecfg).map_err(|err| format!("engine start failed: {err}"))?;
+    let opts = LoadOptions {
+        precision: e.precision,
+        tokenizer: None,
+    };
+    let (built, template) = Engine::load(&cfg.model, &opts, placement, &ecfg)
+        .map_err(|err| format!("load failed: {err}"))?;
+    let resident_after_load_bytes = rss()
+        .zip(rss_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let params = built.info.model.weights.num_parameters as f64;
+    let weight_bytes = built.info.model.weights.total_bytes as u64;
+    let engine = EngineHandle::spawn_engine(built, template)
+        .map_err(|err| format!("engine start failed: {err}"))?;
     let memory = MemoryReport {
         weight_bytes,
         weight_bytes_analytic: bytes_per_param(e.precision)
