@@ -15,6 +15,8 @@ pub struct BenchReport {
     pub model: String,
     pub precision: String,
     pub kv_dtype: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
     pub weight_bytes: usize,
     pub threads: usize,
     pub cpu: String,
@@ -63,7 +65,7 @@ pub fn run(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
 }
 
 fn run_in_pool(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
-    let mut cfg = args.engine.engine_config()?;
+    let mut cfg = args.engine.engine_config(placement)?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     cfg.scheduler.max_num_seqs = cfg.scheduler.max_num_seqs.max(max_c);
     cfg.scheduler.max_num_batched_tokens = cfg
@@ -140,6 +142,7 @@ fn run_in_pool(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
         model: info.source.clone(),
         precision: info.weights.formats.join("+"),
         kv_dtype: cfg.kv_dtype.to_string(),
+        device: placement.to_string(),
         weight_bytes: info.weights.total_bytes,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
@@ -162,8 +165,8 @@ pub fn print_table(r: &BenchReport) {
         r.weight_bytes as f64 / 1048576.0
     );
     println!(
-        "  machine    {} x {} threads, KV {}",
-        r.cpu, r.threads, r.kv_dtype
+        "  machine    {} x {} threads, KV {}, device {}",
+        r.cpu, r.threads, r.kv_dtype, r.device
     );
     println!();
     println!("  {:<34} {:>12}", "measurement", "tok/s");

@@ -134,12 +134,14 @@ pub struct EngineArgs {
     /// llama-3.1-8b, qwen2.5-7b).
     #[arg(long, env = "ENVELOPE_MODEL")]
     pub model: String,
-    /// Weight precision after load: as-stored, f32, f16, bf16, q8_0, q4_0.
+    /// Weight precision after load: as-stored, f32, f16, bf16, q8_0, q4_0,
+    /// fp8 (CUDA, compute capability 8.9+).
     #[arg(long, env = "ENVELOPE_PRECISION", default_value = "as-stored")]
     pub precision: Precision,
-    /// KV-cache element type: f32, f16, bf16.
-    #[arg(long, env = "ENVELOPE_KV_DTYPE", default_value = "f32")]
-    pub kv_dtype: KvDtype,
+    /// KV-cache element type: f32, f16, bf16 (default: f32 on the CPU; on
+    /// CUDA the activation dtype: bf16, or f16/f32 for those precisions).
+    #[arg(long, env = "ENVELOPE_KV_DTYPE")]
+    pub kv_dtype: Option<KvDtype>,
     /// KV-cache pool size, in bytes (suffixes K, M, G, KiB, MiB, GiB). Overrides --kv-cache-fraction.
     #[arg(long, env = "ENVELOPE_KV_CACHE_BYTES", value_parser = parse_bytes)]
     pub kv_cache_bytes: Option<usize>,
@@ -191,7 +193,7 @@ impl EngineArgs {
         }
     }
 
-    pub fn engine_config(&self) -> Result<EngineConfig> {
+    pub fn engine_config(&self, placement: Placement) -> Result<EngineConfig> {
         if !(self.kv_cache_fraction > 0.0 && self.kv_cache_fraction <= 1.0) {
             bail!(
                 "--kv-cache-fraction must be in (0, 1], got {}",
@@ -202,7 +204,10 @@ impl EngineArgs {
             bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
         }
         Ok(EngineConfig {
-            kv_dtype: self.kv_dtype,
+            kv_dtype: self.kv_dtype.unwrap_or(match placement {
+                Placement::Cpu => KvDtype::F32,
+                Placement::Cuda { .. } => envelope_engine::cuda::default_kv_dtype(self.precision),
+            }),
             kv_budget: match self.kv_cache_bytes {
                 Some(b) => KvBudget::Bytes(b),
                 None => KvBudget::FractionOfAvailable(self.kv_cache_fraction),
@@ -349,7 +354,7 @@ mod tests {
         let Command::Serve(s) = cli.command else {
             panic!()
         };
-        let c = s.engine.engine_config().unwrap();
+        let c = s.engine.engine_config(Placement::Cpu).unwrap();
         assert_eq!(c.scheduler.policy, BatchPolicy::Static);
         assert!(!c.scheduler.chunked_prefill);
         assert_eq!(c.kv_budget, KvBudget::Bytes(64 << 20));

@@ -80,7 +80,7 @@ fn run(cli: Cli) -> Result<()> {
                 &args.engine.model,
                 &args.engine.load_options(),
                 placement,
-                &args.engine.engine_config()?,
+                &args.engine.engine_config(placement)?,
             )
             .with_context(|| format!("loading --model {}", args.engine.model))?;
             let text = if args.chat {
@@ -114,7 +114,7 @@ fn run(cli: Cli) -> Result<()> {
 fn serve(args: cli::ServeArgs) -> Result<()> {
     let placement = cli::resolve_device(args.engine.device)?;
     args.engine.apply_threads();
-    let cfg = args.engine.engine_config()?;
+    let cfg = args.engine.engine_config(placement)?;
     let handle = EngineHandle::load_and_spawn(
         &args.engine.model,
         &args.engine.load_options(),

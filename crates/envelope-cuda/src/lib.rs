@@ -1,6 +1,5 @@
-//! envelope's CUDA backend groundwork (issue #7): everything that can be
-//! built and tested without a GPU, so a session with one can finish the
-//! model forward pass.
+//! envelope's CUDA runtime (issue #7): device discovery, runtime-compiled
+//! kernels, GEMMs and the GPU self-test, built and tested without a GPU.
 //!
 //! - [`device`]: [`Device::open`] finds the driver, NVRTC and cuBLAS and the
 //!   GPU, or returns a [`CudaError`] that names what is missing. Never a
@@ -29,8 +28,10 @@
 //! used for the CI compile check is pinned to 13.0 as well, since PTX from a
 //! newer NVRTC does not load on an older driver.
 //!
-//! Not built yet: the CUDA model forward (cuBLAS GEMMs, weight upload, the
-//! engine's CUDA backend, CUDA graphs, the NVML-sized KV pool).
+//! [`runtime`] puts it together: an opened device with every kernel loaded,
+//! cuBLAS/cuBLASLt GEMMs and one method per kernel; `envelope-engine`'s
+//! `cuda` module runs the model on it. Not built yet: CUDA graphs, sampling
+//! on the device. Nothing here has run on a GPU yet.
 
 pub mod compile;
 pub mod device;

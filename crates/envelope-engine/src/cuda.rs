@@ -24,8 +24,8 @@ use crate::model::{self, Backend, Norm, Proj, SeqChunk, StepBatch};
 use crate::precision::{KvDtype, Precision};
 use crate::weights::{self, DummyInit, ModelSource, ModelWeights, Role, WeightReport};
 use candle_core::{DType as CDType, Device as CDevice, Tensor};
-use envelope_cuda::geometry;
 use envelope_cuda::runtime::{le_bytes, AttnDims, Buf, DType, F32Slice, Fp8Buf, Gpu};
+use envelope_cuda::{geometry, memory};
 
 /// The activation dtype of a precision on CUDA.
 ///
@@ -45,6 +45,16 @@ pub fn activation_dtype(p: Precision) -> Result<DType> {
             })
         }
     })
+}
+
+/// The KV-cache dtype a precision gets on CUDA when none is asked for: the
+/// activation dtype.
+pub fn default_kv_dtype(p: Precision) -> KvDtype {
+    match p {
+        Precision::F32 => KvDtype::F32,
+        Precision::F16 => KvDtype::F16,
+        _ => KvDtype::Bf16,
+    }
 }
 
 /// The KV-cache dtype on CUDA: the kernels pair f32 activations with any
@@ -466,17 +476,26 @@ impl CudaModel {
         let dtype = kv_dtype(self.act, cfg.kv_dtype)?;
         let c = &self.config;
         let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.size();
+        // Free the old pool (if any) before measuring what is free.
+        self.kv = None;
+        self.gpu.synchronize()?;
+        let (free, total) = self.gpu.mem_info()?;
+        let state = memory::MemoryState {
+            total_bytes: total,
+            free_bytes: free,
+            workspace_bytes: activation_bytes(
+                c,
+                self.act,
+                cfg.scheduler.max_num_batched_tokens,
+                cfg.scheduler.max_num_seqs,
+            ),
+        };
         let budget = match cfg.kv_budget {
-            KvBudget::Bytes(b) => b,
+            // Must fit beside the activation reserve: an error with every
+            // figure, not an allocation failure halfway through the layers.
+            KvBudget::Bytes(b) => memory::kv_pool_bytes(memory::KvBudget::Bytes(b), state)?,
             KvBudget::FractionOfAvailable(f) => {
-                let (free, _) = self.gpu.mem_info()?;
-                let reserve = activation_bytes(
-                    c,
-                    self.act,
-                    cfg.scheduler.max_num_batched_tokens,
-                    cfg.scheduler.max_num_seqs,
-                );
-                (free.saturating_sub(reserve) as f64 * f) as usize
+                (free.saturating_sub(state.workspace_bytes) as f64 * f) as usize
             }
         };
         let num_blocks = budget / (bytes_per_token * cfg.block_size);
@@ -496,7 +515,6 @@ impl CudaModel {
             num_kv_heads: c.num_kv_heads,
             head_dim: c.head_dim,
         };
-        self.kv = None;
         let mut k = Vec::with_capacity(c.num_layers);
         let mut v = Vec::with_capacity(c.num_layers);
         for _ in 0..c.num_layers {
@@ -836,6 +854,16 @@ mod tests {
                         .any(|k| k.entries.contains(&entry.as_str()));
                     assert!(found, "{entry}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_kv_dtype_is_always_accepted() {
+        for p in Precision::ALL {
+            if let Ok(act) = activation_dtype(p) {
+                let kv = default_kv_dtype(p);
+                assert_eq!(kv_dtype(act, kv).unwrap(), act, "{p}");
             }
         }
     }
