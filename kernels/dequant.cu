@@ -14,7 +14,8 @@ __device__ void dequant_q4_0(const u8* blocks, T* out, long long n_blocks) {
   const int i = idx % 32;
   const float d = f16_at(b);
   const int q = i < 16 ? (b[2 + i] & 0x0F) : (b[2 + i - 16] >> 4);
-  out[idx] = from_f32<T>((float)q * d + (-8.0f * d));
+  // Explicit roundings, no FMA: the CPU's (q * d) + (-8 * d), bit for bit.
+  out[idx] = from_f32<T>(__fadd_rn(__fmul_rn((float)q, d), -8.0f * d));
 }
 
 template <typename T>
@@ -25,7 +26,7 @@ __device__ void dequant_q4_1(const u8* blocks, T* out, long long n_blocks) {
   const int i = idx % 32;
   const float d = f16_at(b), m = f16_at(b + 2);
   const int q = i < 16 ? (b[4 + i] & 0x0F) : (b[4 + i - 16] >> 4);
-  out[idx] = from_f32<T>((float)q * d + m);
+  out[idx] = from_f32<T>(__fadd_rn(__fmul_rn((float)q, d), m));
 }
 
 template <typename T>

@@ -154,6 +154,41 @@ pub fn paged_attention(
     out
 }
 
+/// splitmix64, the hash of the dummy weights (kernels/dummy.cu).
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `dummy_fill`: element i is `splitmix64(key ^ i)` mapped to a uniform in
+/// [-scale, scale), rounded to bf16 (then exact in f32, f16 or bf16 output
+/// up to that dtype's own rounding).
+pub fn dummy_fill(key: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let unit = (splitmix64(key ^ i) >> 40) as f32 / (1u64 << 24) as f32;
+            half::bf16::from_f32((unit * 2.0 - 1.0) * scale).to_f32()
+        })
+        .collect()
+}
+
+/// `quant_fp8`: e4m3 bytes of `x / s` with `s = max(max |x|, 1e-12) / 448`,
+/// and `s`.
+pub fn quant_fp8(x: &[f32]) -> (Vec<u8>, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let s = amax.max(1e-12) / 448.0;
+    (x.iter().map(|v| crate::fp8::encode(v / s)).collect(), s)
+}
+
+/// `bias_add`: `x[r, i] + b[i]`.
+pub fn bias_add(x: &[f32], b: &[f32]) -> Vec<f32> {
+    x.chunks(b.len())
+        .flat_map(|row| row.iter().zip(b).map(|(v, c)| v + c))
+        .collect()
+}
+
 fn f16_at(b: &[u8]) -> f32 {
     half::f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
@@ -286,6 +321,38 @@ pub fn top_p_sample(logits: &[f32], temperature: f32, top_p: f32, u: f32) -> Top
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn fp8_quantisation_scales_the_largest_value_to_448() {
+        let x = [0.5f32, -2.0, 1.0, 0.0];
+        let (q, s) = quant_fp8(&x);
+        assert_eq!(s, 2.0 / 448.0);
+        assert_eq!(crate::fp8::decode(q[1]), -448.0);
+        let back: Vec<f32> = q.iter().map(|&b| crate::fp8::decode(b) * s).collect();
+        for (a, b) in x.iter().zip(&back) {
+            assert!((a - b).abs() <= a.abs() / 16.0 + 1e-9, "{a} vs {b}");
+        }
+        // All zeros: a tiny scale, no NaN.
+        let (q0, s0) = quant_fp8(&[0.0; 3]);
+        assert!(s0 > 0.0 && q0.iter().all(|&b| crate::fp8::decode(b) == 0.0));
+    }
+
+    #[test]
+    fn bias_is_added_per_column() {
+        assert_eq!(
+            bias_add(&[1.0, 2.0, 3.0, 4.0], &[10.0, 20.0]),
+            vec![11.0, 22.0, 13.0, 24.0]
+        );
+    }
+
+    #[test]
+    fn dummy_fill_is_bf16_and_bounded() {
+        let v = dummy_fill(42, 10_000, 0.5);
+        assert!(v.iter().all(|x| (-0.5..=0.5).contains(x)));
+        assert!(v.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x));
+        assert_ne!(v, dummy_fill(43, 10_000, 0.5));
+    }
+
     use super::*;
 
     fn close(a: &[f32], b: &[f32], tol: f32) {

@@ -263,10 +263,11 @@ struct Lt {
 // SAFETY: as for LtPlan.
 unsafe impl Send for Lt {}
 
-impl Drop for Lt {
-    fn drop(&mut self) {
+impl Lt {
+    fn clear_plans(&mut self) {
         use cudarc::cublaslt::result as r;
-        // SAFETY: each handle was created by cuBLASLt and is destroyed once.
+        // SAFETY: each handle was created by cuBLASLt and is destroyed once;
+        // a matmul already queued keeps its own copy of the descriptor.
         unsafe {
             for (_, p) in self.plans.drain() {
                 let _ = r::destroy_matrix_layout(p.a);
@@ -274,7 +275,43 @@ impl Drop for Lt {
                 let _ = r::destroy_matrix_layout(p.d);
                 let _ = r::destroy_matmul_desc(p.desc);
             }
-            let _ = r::destroy_handle(self.handle);
+        }
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        self.clear_plans();
+        // SAFETY: created by cublasLtCreate, destroyed once.
+        unsafe {
+            let _ = cudarc::cublaslt::result::destroy_handle(self.handle);
+        }
+    }
+}
+
+/// fp8 GEMM plans kept at once (one per distinct shape).
+const MAX_LT_PLANS: usize = 256;
+
+/// Freed stream-ordered memory stays in the device's pool instead of going
+/// back to the driver at every synchronisation (the pool's default release
+/// threshold is 0): each step allocates and frees its activations. Best
+/// effort: a driver without memory pools keeps its default.
+fn keep_freed_memory_in_the_pool(device: &Device) {
+    use cudarc::driver::sys;
+    let _ = device.ctx.bind_to_thread();
+    // SAFETY: the pool handle comes from the driver for this device; the
+    // attribute value is a u64 as documented.
+    unsafe {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, device.ctx.cu_device())
+            == sys::CUresult::CUDA_SUCCESS
+        {
+            let mut threshold = u64::MAX;
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            );
         }
     }
 }
@@ -310,6 +347,19 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu> {
         let device = Device::open(ordinal)?;
         let compiler = Compiler::new()?;
+        if let Some(w) = crate::selftest::version_warning(
+            compiler.nvrtc_version(),
+            &device.info.driver_cuda_version,
+        ) {
+            return Err(CudaError::Driver {
+                call: "cuModuleLoadData",
+                message: w,
+            });
+        }
+        // One stream only: cudarc's per-allocation events buy nothing.
+        // SAFETY: every buffer is used on the default stream alone.
+        unsafe { device.ctx.disable_event_tracking() };
+        keep_freed_memory_in_the_pool(&device);
         let arch = device.arch();
         let t = Instant::now();
         let mut funcs = HashMap::new();
@@ -807,6 +857,7 @@ impl Gpu {
         Self::need("gemm", x, rows * inner)?;
         Self::need("gemm", w, out * inner)?;
         Self::need("gemm", y, rows * out)?;
+        self.bind()?;
         let d = linear_gemm(rows, inner, out);
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         let op = |t: bool| {
@@ -874,12 +925,31 @@ impl Gpu {
                 format!("cuBLASLt fp8 needs inner ({inner}) and out ({out}) multiples of 16"),
             ));
         }
+        if y.dtype != DType::Bf16 || x.data.dtype != DType::Fp8 || w.data.dtype != DType::Fp8 {
+            return Err(shape(
+                "gemm_fp8",
+                format!(
+                    "fp8 x fp8 -> bf16 only, got {:?} x {:?} -> {:?}",
+                    x.data.dtype, w.data.dtype, y.dtype
+                ),
+            ));
+        }
+        Self::need("gemm_fp8", &x.data, rows * inner)?;
+        Self::need("gemm_fp8", &w.data, out * inner)?;
+        Self::need("gemm_fp8", y, rows * out)?;
+        self.bind()?;
         let mut lt = lt
             .lock()
             .map_err(|_| shape("gemm_fp8", "lock poisoned".into()))?;
         let d = linear_gemm(rows, inner, out);
         let key = (rows, inner, out);
+        let (sa, _r1) = w.scale.device_ptr(&self.stream);
+        let (sb, _r2) = x.scale.device_ptr(&self.stream);
         if !lt.plans.contains_key(&key) {
+            // Prefill lengths vary: keep the cache bounded.
+            if lt.plans.len() >= MAX_LT_PLANS {
+                lt.clear_plans();
+            }
             let handle = lt.handle;
             let ws = lt.workspace.len();
             let plan = (|| -> std::result::Result<LtPlan, cudarc::cublaslt::result::CublasError> {
@@ -902,6 +972,21 @@ impl Gpu {
                         lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
                         &n as *const i32 as *const c_void,
                         4,
+                    )?;
+                    // The scale pointers are part of the problem the
+                    // heuristic sees (NVIDIA's LtFp8Matmul sets them first);
+                    // they are set again before every call.
+                    r::set_matmul_desc_attribute(
+                        desc,
+                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                        &sa as *const u64 as *const c_void,
+                        8,
+                    )?;
+                    r::set_matmul_desc_attribute(
+                        desc,
+                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                        &sb as *const u64 as *const c_void,
+                        8,
                     )?;
                 }
                 // A = W: col-major inner x out (ld inner), used transposed.
@@ -935,8 +1020,6 @@ impl Gpu {
             lt.plans.insert(key, plan);
         }
         let plan = &lt.plans[&key];
-        let (sa, _r1) = w.scale.device_ptr(&self.stream);
-        let (sb, _r2) = x.scale.device_ptr(&self.stream);
         let (a_ptr, _r3) = w.data.data.device_ptr(&self.stream);
         let (b_ptr, _r4) = x.data.data.device_ptr(&self.stream);
         let (y_ptr, _r5) = y.data.device_ptr(&self.stream);

@@ -241,6 +241,7 @@ enum Arg<'a> {
     Buf(&'a CudaSlice<u8>),
     I32(i32),
     I64(i64),
+    U64(u64),
     F32(f32),
 }
 
@@ -293,6 +294,7 @@ impl Gpu {
                 Arg::I32(v) => b.arg(v),
                 Arg::I64(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
+                Arg::U64(v) => b.arg(v),
             };
         }
         // SAFETY: argument lists match the kernels' signatures in kernels/.
@@ -353,6 +355,105 @@ impl Cx<'_> {
             },
         };
         self.out.push(res);
+    }
+}
+
+/// The kernels the CUDA model needs besides the layer operations: dummy
+/// weights (must equal the CPU's bit for bit), fp8 quantisation (bytes and
+/// scale), bias add.
+fn model_support_cases(cx: &mut Cx) {
+    for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
+        let s = dt.suffix();
+        // dummy_fill: exact (tolerance 0): the weights CPU and GPU compare on.
+        let (n, key, scale) = (70_001, 0xDEAD_BEEF_u64, 0.0625f32);
+        let want = round(dt, &r::dummy_fill(key, n, scale));
+        let entry = format!("dummy_fill_{s}");
+        let got = (|| {
+            let o = cx.gpu.zeros(n * 4)?;
+            cx.gpu.launch(
+                "dummy.cu",
+                &entry,
+                geometry::elementwise("dummy_fill", n)?,
+                &[
+                    Arg::Buf(&o),
+                    Arg::I64(n as i64),
+                    Arg::U64(key),
+                    Arg::F32(scale),
+                ],
+            )?;
+            Ok(cx.gpu.downf(dt, &o)?[..n].to_vec())
+        })();
+        let exact = got.as_ref().map(|g| g == &want).unwrap_or(false);
+        cx.check(
+            "dummy weights 70001 (must be bit-exact)",
+            &entry,
+            dt,
+            got.map(|g| if exact { g } else { vec![f32::NAN; g.len()] }),
+            &want,
+            Some("exact equality required".into()),
+        );
+
+        // absmax + quant_fp8: the dequantised values and the scale.
+        let x = round(dt, &cx.rng.vec(5_000, 3.0));
+        let (q, sc) = r::quant_fp8(&x);
+        let mut want: Vec<f32> = q.iter().map(|&b| crate::fp8::decode(b) * sc).collect();
+        want.push(sc);
+        let entry = format!("quant_fp8_{s}");
+        let got = (|| {
+            let xb = cx.gpu.upf(dt, &x)?;
+            let amax = cx.gpu.zeros(4)?;
+            let scale = cx.gpu.zeros(4)?;
+            let out = cx.gpu.zeros(x.len())?;
+            cx.gpu.launch(
+                "fp8.cu",
+                &format!("absmax_{s}"),
+                geometry::elementwise("absmax", x.len())?,
+                &[Arg::Buf(&xb), Arg::I64(x.len() as i64), Arg::Buf(&amax)],
+            )?;
+            cx.gpu.launch(
+                "fp8.cu",
+                &entry,
+                geometry::elementwise("quant_fp8", x.len())?,
+                &[
+                    Arg::Buf(&xb),
+                    Arg::Buf(&out),
+                    Arg::I64(x.len() as i64),
+                    Arg::Buf(&amax),
+                    Arg::Buf(&scale),
+                ],
+            )?;
+            let s_gpu = from_bytes(Dt::F32, &cx.gpu.down(&scale)?)[0];
+            let mut v: Vec<f32> = cx.gpu.down(&out)?[..x.len()]
+                .iter()
+                .map(|&b| crate::fp8::decode(b) * s_gpu)
+                .collect();
+            v.push(s_gpu);
+            Ok(v)
+        })();
+        cx.check("fp8 quantise 5000", &entry, Dt::F32, got, &want, None);
+
+        // bias_add
+        let (rows, cols) = (6, 320);
+        let x = round(dt, &cx.rng.vec(rows * cols, 1.0));
+        let b = round(dt, &cx.rng.vec(cols, 1.0));
+        let want = round(dt, &r::bias_add(&x, &b));
+        let entry = format!("bias_add_{s}");
+        let got = (|| {
+            let (xb, bb) = (cx.gpu.upf(dt, &x)?, cx.gpu.upf(dt, &b)?);
+            cx.gpu.launch(
+                "residual_add.cu",
+                &entry,
+                geometry::elementwise("bias_add", rows * cols)?,
+                &[
+                    Arg::Buf(&xb),
+                    Arg::Buf(&bb),
+                    Arg::I64((rows * cols) as i64),
+                    Arg::I32(cols as i32),
+                ],
+            )?;
+            cx.gpu.downf(dt, &xb)
+        })();
+        cx.check("bias add 6x320", &entry, dt, got, &want, None);
     }
 }
 
@@ -915,8 +1016,9 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
         out: Vec::new(),
     };
     type CaseFn = fn(&mut Cx);
-    let groups: [(&str, CaseFn); 3] = [
+    let groups: [(&str, CaseFn); 4] = [
         ("elementwise", elementwise_cases),
+        ("model support", model_support_cases),
         ("attention", attention_cases),
         ("sampling", sampling_cases),
     ];

@@ -217,6 +217,14 @@ pub struct CudaModel {
     pub report: WeightReport,
 }
 
+impl Drop for CudaModel {
+    fn drop(&mut self) {
+        // The buffers and handles free themselves on the device's context,
+        // which may not be current on the dropping thread.
+        let _ = self.gpu.bind();
+    }
+}
+
 /// Turns host weights and dummy presets into device buffers.
 struct Uploader<'a> {
     gpu: &'a Gpu,
@@ -552,6 +560,15 @@ impl CudaModel {
         if step.ids.is_empty() {
             return Ok(Vec::new());
         }
+        // The embedding kernel does not bound-check: an id past the table
+        // would read out of bounds (and a fault kills the context).
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = step.ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest {
+                param: "prompt",
+                message: format!("token id {id} is outside the vocabulary ({vocab})"),
+            });
+        }
         let meta = StepMeta::build(&step, kv.geometry.block_size)?;
         let g = &self.gpu;
         let dev = DevMeta {
@@ -561,9 +578,11 @@ impl CudaModel {
             tables: g.upload(DType::I32, &le_bytes(&meta.tables, i32::to_le_bytes))?,
             context_lens: g.upload(DType::I32, &le_bytes(&meta.context_lens, i32::to_le_bytes))?,
             cu_q_lens: g.upload(DType::I32, &le_bytes(&meta.cu_q_lens, i32::to_le_bytes))?,
+            logit_rows: g.upload(DType::U32, &le_bytes(&step.logit_rows, u32::to_le_bytes))?,
         };
         let mut b = CudaBackend {
             m: self,
+            logit_rows: &step.logit_rows,
             kv,
             meta: &meta,
             dev,
@@ -585,6 +604,7 @@ struct DevMeta {
     tables: Buf,
     context_lens: Buf,
     cu_q_lens: Buf,
+    logit_rows: Buf,
 }
 
 /// Activations on the device: `[rows, cols]`.
@@ -596,6 +616,8 @@ pub struct Act {
 
 struct CudaBackend<'a> {
     m: &'a CudaModel,
+    /// The step's logit rows, uploaded as `dev.logit_rows`.
+    logit_rows: &'a [u32],
     kv: &'a DevKv,
     meta: &'a StepMeta,
     dev: DevMeta,
@@ -788,9 +810,16 @@ impl Backend for CudaBackend<'_> {
 
     fn select_rows(&mut self, x: &Act, rows: &[u32]) -> Result<Act> {
         let g = self.gpu();
-        let ids = g.upload(DType::U32, &le_bytes(rows, u32::to_le_bytes))?;
+        // The step's logit rows went up with the rest of the metadata.
+        let uploaded;
+        let ids = if rows == self.logit_rows {
+            &self.dev.logit_rows
+        } else {
+            uploaded = g.upload(DType::U32, &le_bytes(rows, u32::to_le_bytes))?;
+            &uploaded
+        };
         let out = g.empty(self.m.act, rows.len() * x.cols)?;
-        g.embedding(&ids, &x.buf, &out, rows.len(), x.cols)?;
+        g.embedding(ids, &x.buf, &out, rows.len(), x.cols)?;
         Ok(Act {
             buf: out,
             rows: rows.len(),

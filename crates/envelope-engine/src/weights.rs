@@ -723,6 +723,25 @@ mod tests {
         assert!(mean.abs() < 0.01, "mean {mean}");
     }
 
+    /// The GPU generates dummy weights with kernels/dummy.cu, checked on a
+    /// GPU against envelope_cuda::reference::dummy_fill; here that
+    /// reference is checked against the CPU's values (rounded to bf16, as
+    /// the dummy source stores them), so CPU and GPU hold the same model.
+    #[test]
+    fn the_gpu_reference_of_dummy_weights_is_the_cpu_generator() {
+        let (seed, name) = (3, "model.layers.7.mlp.up_proj.weight");
+        let cpu: Vec<f32> = dummy_values(seed, name, 200_000, 0.04)
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let gpu_ref = envelope_cuda::reference::dummy_fill(dummy_key(seed, name), 200_000, 0.04);
+        assert_eq!(cpu, gpu_ref);
+        assert_ne!(
+            gpu_ref,
+            envelope_cuda::reference::dummy_fill(dummy_key(seed + 1, name), 200_000, 0.04)
+        );
+    }
+
     #[test]
     fn parse_sources() {
         assert_eq!(
