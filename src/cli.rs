@@ -135,7 +135,8 @@ pub struct EngineArgs {
     #[arg(long, env = "ENVELOPE_MODEL")]
     pub model: String,
     /// Weight precision after load: as-stored, f32, f16, bf16, q8_0, q4_0,
-    /// fp8 (CUDA, compute capability 8.9+).
+    /// fp8 (e4m3 W8A8 on CUDA with compute capability 8.9+; a numerical
+    /// emulation on the CPU, for quality, not speed).
     #[arg(long, env = "ENVELOPE_PRECISION", default_value = "as-stored")]
     pub precision: Precision,
     /// KV-cache element type: f32, f16, bf16 (default: f32 on the CPU; on

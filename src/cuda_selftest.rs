@@ -122,6 +122,7 @@ fn models(args: &CudaSelftestArgs) -> Result<()> {
         for (p, kv) in [
             (Precision::F32, KvDtype::F32),
             (Precision::Bf16, KvDtype::Bf16),
+            (Precision::Fp8, KvDtype::Bf16),
         ] {
             let r = cuda_check::model_check(spec, p, kv, args.ordinal, 24, 8);
             let (abs, rel, cos, top) =

@@ -266,6 +266,11 @@ impl Uploader<'_> {
                 out
             }
             Matrix::Quant(q) => self.tensor(&q.dequantize(&CDevice::Cpu)?)?,
+            Matrix::Fp8(m) => self.tensor(&Tensor::from_vec(
+                m.dequantize(),
+                (m.n, m.k),
+                &CDevice::Cpu,
+            )?)?,
         })
     }
 

@@ -168,15 +168,8 @@ pub fn model_check(
             precision,
             tokenizer: None,
         };
-        // The CPU has no fp8: its reference for fp8 is bf16.
-        let cpu_opts = LoadOptions {
-            precision: if precision == Precision::Fp8 {
-                Precision::Bf16
-            } else {
-                precision
-            },
-            tokenizer: None,
-        };
+        // fp8 on the CPU is the emulation of the same W8A8 arithmetic.
+        let cpu_opts = opts.clone();
         let t = Instant::now();
         let cpu = load(spec, &cpu_opts)?;
         let prompt = synthetic_prompt(prompt_len, cpu.model.config.vocab_size, 7);

@@ -32,6 +32,44 @@ impl RawWeight {
     }
 }
 
+/// An fp8 (e4m3) matrix `[n, k]` with one per-tensor scale: `w ~ code * scale`.
+/// On the CPU it is a numerical emulation of the CUDA fp8 path (W8A8:
+/// weights and, per call, activations quantised per tensor, exactly as
+/// kernels/fp8.cu does), for quality gating of bf16 -> fp8 without a GPU;
+/// it dequantises per call and is not a speed path.
+#[derive(Debug, Clone)]
+pub struct Fp8Matrix {
+    pub n: usize,
+    pub k: usize,
+    pub codes: Vec<u8>,
+    pub scale: f32,
+}
+
+impl Fp8Matrix {
+    pub fn quantize(w: &[f32], n: usize, k: usize) -> Fp8Matrix {
+        let (codes, scale) = envelope_cuda::reference::quant_fp8(w);
+        Fp8Matrix { n, k, codes, scale }
+    }
+
+    fn lut(scale: f32) -> [f32; 256] {
+        std::array::from_fn(|b| envelope_cuda::fp8::decode(b as u8) * scale)
+    }
+
+    /// `codes * scale` as f32.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let lut = Self::lut(self.scale);
+        self.codes.iter().map(|&b| lut[b as usize]).collect()
+    }
+
+    /// `x` after the per-tensor e4m3 round trip the GPU applies to every
+    /// fp8 GEMM input.
+    pub fn quantize_activations(x: &[f32]) -> Vec<f32> {
+        let (codes, scale) = envelope_cuda::reference::quant_fp8(x);
+        let lut = Self::lut(scale);
+        codes.iter().map(|&b| lut[b as usize]).collect()
+    }
+}
+
 /// A matrix `[out, in]` in its load precision.
 #[derive(Clone)]
 pub enum Matrix {
@@ -40,6 +78,8 @@ pub enum Matrix {
     /// Other GGUF block formats (k-quants), multiplied by candle.
     Quant(Arc<QTensor>),
     Dense(Tensor),
+    /// e4m3 with a per-tensor scale (CPU emulation of the CUDA fp8 path).
+    Fp8(Arc<Fp8Matrix>),
 }
 
 /// Moves a candle `QTensor` into our block matrix when we have a kernel for its format.
@@ -82,10 +122,12 @@ impl Matrix {
             Precision::Bf16 => dense(raw.to_f32()?, DType::BF16),
             Precision::Q8_0 => quant(&raw, GgmlDType::Q8_0),
             Precision::Q4_0 => quant(&raw, GgmlDType::Q4_0),
-            Precision::Fp8 => Err(crate::error::EngineError::InvalidSetting {
-                field: "precision",
-                message: "fp8 runs on CUDA only (compute capability 8.9 or newer): use --device cuda, or bf16 on the CPU".into(),
-            }),
+            Precision::Fp8 => {
+                let f = raw.to_f32()?;
+                let (n, k) = f.dims2()?;
+                let v = f.flatten_all()?.to_vec1::<f32>()?;
+                Ok(Matrix::Fp8(Arc::new(Fp8Matrix::quantize(&v, n, k))))
+            }
         }
     }
 
@@ -95,6 +137,7 @@ impl Matrix {
             Matrix::Blocks(b) => b.bytes(),
             Matrix::Quant(q) => q.storage_size_in_bytes(),
             Matrix::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Matrix::Fp8(m) => m.codes.len() + 4,
         }
     }
 
@@ -103,6 +146,7 @@ impl Matrix {
             Matrix::Blocks(b) => (b.n, b.k),
             Matrix::Quant(q) => q.shape().dims2()?,
             Matrix::Dense(t) => t.dims2()?,
+            Matrix::Fp8(m) => (m.n, m.k),
         })
     }
 
@@ -112,6 +156,7 @@ impl Matrix {
             Matrix::Blocks(b) => b.format.name().to_string(),
             Matrix::Quant(q) => format!("{:?}", q.dtype()).to_lowercase(),
             Matrix::Dense(t) => t.dtype().as_str().to_string(),
+            Matrix::Fp8(_) => "fp8_e4m3".to_string(),
         }
     }
 
@@ -134,6 +179,8 @@ impl Matrix {
             }
             Matrix::Quant(q) => q.embedding(&ids_t)?,
             Matrix::Dense(t) => t.index_select(&ids_t, 0)?.to_dtype(DType::F32)?,
+            Matrix::Fp8(m) => Tensor::from_vec(m.dequantize(), (m.n, m.k), &Device::Cpu)?
+                .index_select(&ids_t, 0)?,
         })
     }
 }
@@ -150,7 +197,7 @@ impl Linear {
     pub fn new(weight: Matrix, bias: Option<Tensor>) -> Linear {
         let qmatmul = match &weight {
             Matrix::Quant(q) => Some(QMatMul::QTensor(q.clone())),
-            Matrix::Dense(_) | Matrix::Blocks(_) => None,
+            Matrix::Dense(_) | Matrix::Blocks(_) | Matrix::Fp8(_) => None,
         };
         Linear {
             weight,
@@ -184,6 +231,14 @@ impl Linear {
                         .to_dtype(DType::F32)?
                 }
             }
+            (Matrix::Fp8(w), None) => {
+                let (m, _) = x.dims2()?;
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let xq =
+                    Tensor::from_vec(Fp8Matrix::quantize_activations(&xs), (m, w.k), &Device::Cpu)?;
+                let wd = Tensor::from_vec(w.dequantize(), (w.n, w.k), &Device::Cpu)?;
+                xq.matmul(&wd.t()?)?
+            }
             (Matrix::Quant(_), None) => unreachable!("quantised weights always carry a QMatMul"),
         };
         Ok(match &self.bias {
@@ -194,5 +249,62 @@ impl Linear {
 
     pub fn bytes(&self) -> usize {
         self.weight.bytes() + self.bias.as_ref().map_or(0, |b| b.elem_count() * 4)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fp8 linear is x and W each through a per-tensor e4m3 round trip,
+    /// then an f32 product: close to the f32 product (e4m3 keeps 3 mantissa
+    /// bits), and not equal to it (the emulation does something).
+    #[test]
+    fn fp8_linear_is_the_w8a8_round_trip() {
+        let (m, k, n) = (3, 64, 5);
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
+            .collect();
+        let wt = Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap();
+        let lin = Linear::new(
+            Matrix::convert(RawWeight::Dense(wt.clone()), Precision::Fp8).unwrap(),
+            None,
+        );
+        assert_eq!(lin.weight().format(), "fp8_e4m3");
+        assert_eq!(lin.bytes(), n * k + 4);
+        let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+        let got = lin
+            .forward(&xt)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let exact = xt
+            .matmul(&wt.t().unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let xq = Fp8Matrix::quantize_activations(&x);
+        let wq = Fp8Matrix::quantize(&w, n, k).dequantize();
+        let mut differs = false;
+        for r in 0..m {
+            for c in 0..n {
+                let want: f32 = (0..k).map(|i| xq[r * k + i] * wq[c * k + i]).sum();
+                let g = got[r * n + c];
+                assert!((g - want).abs() < 1e-4, "{g} vs {want}");
+                let e = exact[r * n + c];
+                // Each factor within 1/16 relative: the sum within ~1/8 of sum |x w|.
+                let mag: f32 = (0..k).map(|i| (x[r * k + i] * w[c * k + i]).abs()).sum();
+                assert!((g - e).abs() <= mag / 8.0, "{g} vs f32 {e}");
+                differs |= (g - e).abs() > 1e-6;
+            }
+        }
+        assert!(differs, "the fp8 path must not be the f32 product");
     }
 }

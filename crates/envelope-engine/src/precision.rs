@@ -18,9 +18,10 @@ pub enum Precision {
     Bf16,
     Q8_0,
     Q4_0,
-    /// e4m3 weights with a per-tensor scale, multiplied as fp8 (W8A8 with
-    /// dynamic per-tensor activation scales): CUDA only, compute
-    /// capability 8.9 or newer.
+    /// e4m3 layer matrices with a per-tensor scale, multiplied as fp8 (W8A8
+    /// with dynamic per-tensor activation scales) on CUDA with compute
+    /// capability 8.9 or newer; embedding and LM head stay bf16. On the CPU
+    /// the same arithmetic is emulated (for quality gating, not speed).
     Fp8,
 }
 

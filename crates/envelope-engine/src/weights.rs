@@ -646,7 +646,18 @@ pub fn load_weights(
         check(&w, &shape, role, layer)?;
         Matrix::convert(w, precision)
     };
-    let embedding = matrix(&mut src, Role::Embedding, 0, [cfg.vocab_size, h])?;
+    // fp8 keeps the embedding and the LM head in bf16 (as the CUDA path and
+    // vLLM do): only the layer matrices are e4m3.
+    let head_precision = if precision == Precision::Fp8 {
+        Precision::Bf16
+    } else {
+        precision
+    };
+    let embedding = {
+        let w = need(&mut src, Role::Embedding, 0)?;
+        check(&w, &[cfg.vocab_size, h], Role::Embedding, 0)?;
+        Matrix::convert(w, head_precision)?
+    };
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let bias = |src: &mut Box<dyn TensorSource>, role: Role| -> Result<Option<Tensor>> {
@@ -687,7 +698,10 @@ pub fn load_weights(
     let (lm_head, tied) = match src.get(Role::LmHead, 0)? {
         Some(w) if !cfg.tie_word_embeddings || matches!(source, ModelSource::HfDir(_)) => {
             check(&w, &[cfg.vocab_size, h], Role::LmHead, 0)?;
-            (Linear::new(Matrix::convert(w, precision)?, None), false)
+            (
+                Linear::new(Matrix::convert(w, head_precision)?, None),
+                false,
+            )
         }
         _ => (Linear::new(embedding.clone(), None), true),
     };

@@ -75,7 +75,19 @@ fn precision_conversion_reports_exact_weight_bytes() {
     // q8_0: 34 bytes per 32 weights; q4_0: 18 bytes per 32.
     assert_eq!(bytes(Precision::Q8_0), matrices / 32 * 34 + norms);
     assert_eq!(bytes(Precision::Q4_0), matrices / 32 * 18 + norms);
-    for p in [Precision::F16, Precision::Q8_0, Precision::Q4_0] {
+    // fp8: layer matrices one byte per weight plus a 4-byte scale each (7
+    // per layer); the tied embedding stays bf16.
+    let emb = cfg.vocab_size * cfg.hidden_size;
+    assert_eq!(
+        bytes(Precision::Fp8),
+        (matrices - emb) + 7 * cfg.num_layers * 4 + emb * 2 + norms
+    );
+    for p in [
+        Precision::F16,
+        Precision::Q8_0,
+        Precision::Q4_0,
+        Precision::Fp8,
+    ] {
         let (t, _) = generate(
             load(
                 "dummy:tiny",
@@ -132,7 +144,7 @@ fn hf_safetensors_directory_loads_and_matches_the_same_weights() {
     std::fs::create_dir_all(&dir).unwrap();
     let dense = |m: &Matrix| match m {
         Matrix::Dense(t) => t.clone(),
-        Matrix::Quant(_) | Matrix::Blocks(_) => panic!("f32 load is dense"),
+        Matrix::Quant(_) | Matrix::Blocks(_) | Matrix::Fp8(_) => panic!("f32 load is dense"),
     };
     let w = &dummy.model.weights;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
