@@ -14,7 +14,7 @@ pub struct QualityArgs {
     /// Model: a .gguf file, a Hugging Face directory or dummy:<preset>[@seed].
     #[arg(long, env = "ENVELOPE_MODEL")]
     pub model: String,
-    /// Precision to measure: as-stored, f32, f16, bf16, q8_0, q4_0.
+    /// Precision to measure: as-stored, f32, f16, bf16, q8_0, q4_0, fp8 (emulated on the CPU).
     #[arg(long, env = "ENVELOPE_PRECISION", default_value = "as-stored")]
     pub precision: Precision,
     /// Reference precision for KL divergence and top-1 agreement (`none`: perplexity only).
