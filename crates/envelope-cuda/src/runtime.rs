@@ -231,6 +231,7 @@ pub fn le_bytes<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> V
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy)]
 pub enum Arg<'a> {
     Buf(&'a Buf),
     Raw(&'a CudaSlice<u8>),
@@ -287,6 +288,25 @@ impl Drop for Lt {
             let _ = cudarc::cublaslt::result::destroy_handle(self.handle);
         }
     }
+}
+
+type DescAttr = lt_sys::cublasLtMatmulDescAttributes_t;
+
+/// Sets one cuBLASLt matmul-descriptor attribute from a plain value.
+///
+/// # Safety
+/// `desc` is a live descriptor and `T` is the attribute's documented type.
+unsafe fn set_desc<T>(
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    attr: DescAttr,
+    value: &T,
+) -> std::result::Result<(), cudarc::cublaslt::result::CublasError> {
+    cudarc::cublaslt::result::set_matmul_desc_attribute(
+        desc,
+        attr,
+        value as *const T as *const c_void,
+        std::mem::size_of::<T>(),
+    )
 }
 
 /// fp8 GEMM plans kept at once (one per distinct shape).
@@ -712,20 +732,14 @@ impl Gpu {
                 k_cache.dtype.suffix()
             ),
             geometry::paged_decode(a.num_seqs, a.heads, a.kv_heads, a.head_dim)?,
-            &[
+            &a.with_shape(&[
                 Arg::Buf(out),
                 Arg::Buf(q),
                 Arg::Buf(k_cache),
                 Arg::Buf(v_cache),
                 Arg::Buf(tables),
                 Arg::Buf(context_lens),
-                Arg::I32(a.max_blocks_per_seq as i32),
-                Arg::I32(a.heads as i32),
-                Arg::I32(a.kv_heads as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.block_size as i32),
-                Arg::F32(1.0 / (a.head_dim as f32).sqrt()),
-            ],
+            ]),
         )
     }
 
@@ -750,7 +764,7 @@ impl Gpu {
                 k_cache.dtype.suffix()
             ),
             geometry::prefill(a.num_seqs, max_q_len, a.heads, a.kv_heads, a.head_dim)?,
-            &[
+            &a.with_shape(&[
                 Arg::Buf(out),
                 Arg::Buf(q),
                 Arg::Buf(k_cache),
@@ -758,13 +772,7 @@ impl Gpu {
                 Arg::Buf(tables),
                 Arg::Buf(cu_q_lens),
                 Arg::Buf(context_lens),
-                Arg::I32(a.max_blocks_per_seq as i32),
-                Arg::I32(a.heads as i32),
-                Arg::I32(a.kv_heads as i32),
-                Arg::I32(a.head_dim as i32),
-                Arg::I32(a.block_size as i32),
-                Arg::F32(1.0 / (a.head_dim as f32).sqrt()),
-            ],
+            ]),
         )
     }
 
@@ -961,33 +969,13 @@ impl Gpu {
                 let n: i32 = 0;
                 // SAFETY: attribute values are the documented types (i32 ops).
                 unsafe {
-                    r::set_matmul_desc_attribute(
-                        desc,
-                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                        &t as *const i32 as *const c_void,
-                        4,
-                    )?;
-                    r::set_matmul_desc_attribute(
-                        desc,
-                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                        &n as *const i32 as *const c_void,
-                        4,
-                    )?;
+                    set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSA, &t)?;
+                    set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSB, &n)?;
                     // The scale pointers are part of the problem the
                     // heuristic sees (NVIDIA's LtFp8Matmul sets them first);
                     // they are set again before every call.
-                    r::set_matmul_desc_attribute(
-                        desc,
-                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                        &sa as *const u64 as *const c_void,
-                        8,
-                    )?;
-                    r::set_matmul_desc_attribute(
-                        desc,
-                        lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                        &sb as *const u64 as *const c_void,
-                        8,
-                    )?;
+                    set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa)?;
+                    set_desc(desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb)?;
                 }
                 // A = W: col-major inner x out (ld inner), used transposed.
                 let a = r::create_matrix_layout(DType::Fp8.lt(), d.k as u64, d.m as u64, d.lda as i64)?;
@@ -1028,18 +1016,16 @@ impl Gpu {
         // SAFETY: the plan's layouts match the buffers' shapes (checked by
         // the caller's shapes); scale pointers are device f32 values.
         unsafe {
-            r::set_matmul_desc_attribute(
+            set_desc(
                 plan.desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                &sa as *const u64 as *const c_void,
-                8,
+                DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                &sa,
             )
             .map_err(lt_err("cublasLtMatmulDescSetAttribute"))?;
-            r::set_matmul_desc_attribute(
+            set_desc(
                 plan.desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                &sb as *const u64 as *const c_void,
-                8,
+                DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                &sb,
             )
             .map_err(lt_err("cublasLtMatmulDescSetAttribute"))?;
             r::matmul(
@@ -1091,6 +1077,24 @@ pub struct AttnDims {
     pub head_dim: usize,
     pub block_size: usize,
     pub max_blocks_per_seq: usize,
+}
+
+impl AttnDims {
+    /// `buffers` followed by the scalar tail both attention kernels take:
+    /// `max_blocks_per_seq, num_heads, num_kv_heads, head_dim, block_size,
+    /// scale`.
+    fn with_shape<'a>(&self, buffers: &[Arg<'a>]) -> Vec<Arg<'a>> {
+        let mut v = buffers.to_vec();
+        v.extend([
+            Arg::I32(self.max_blocks_per_seq as i32),
+            Arg::I32(self.heads as i32),
+            Arg::I32(self.kv_heads as i32),
+            Arg::I32(self.head_dim as i32),
+            Arg::I32(self.block_size as i32),
+            Arg::F32(1.0 / (self.head_dim as f32).sqrt()),
+        ]);
+        v
+    }
 }
 
 #[cfg(test)]
