@@ -187,6 +187,11 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// `--device` resolved for this precision and KV dtype.
+    pub fn placement(&self) -> Result<Placement> {
+        resolve_device(self.device, &[(self.precision, self.kv_dtype)])
+    }
+
     pub fn load_options(&self) -> LoadOptions {
         LoadOptions {
             precision: self.precision,
@@ -236,8 +241,13 @@ impl EngineArgs {
 /// Resolves a device setting (`--device`, `target.device`) into where the
 /// engine runs: the one place the decision is made. `cuda` fails with the
 /// reason (no driver, no GPU, library missing); `auto` takes CUDA device 0
-/// when it opens, else logs why it fell back to the CPU.
-pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<Placement> {
+/// when it opens and every `(precision, KV dtype)` in `needs` can run there
+/// (not q8_0/q4_0, a KV dtype the kernels pair with the activations), else
+/// logs why it fell back to the CPU.
+pub fn resolve_device(
+    setting: envelope_cuda::DeviceSetting,
+    needs: &[(Precision, Option<KvDtype>)],
+) -> Result<Placement> {
     match envelope_cuda::select(setting)? {
         envelope_cuda::Selected::Cpu { note } => {
             if let Some(n) = note {
@@ -246,6 +256,17 @@ pub fn resolve_device(setting: envelope_cuda::DeviceSetting) -> Result<Placement
             Ok(Placement::Cpu)
         }
         envelope_cuda::Selected::Cuda { ordinal, device } => {
+            if setting == envelope_cuda::DeviceSetting::Auto {
+                let unsupported = needs
+                    .iter()
+                    .find_map(|&(p, kv)| envelope_engine::cuda::check_runs_on_cuda(p, kv).err());
+                if let Some(e) = unsupported {
+                    tracing::warn!(
+                        "--device auto: found {device}, but {e}; falling back to the CPU"
+                    );
+                    return Ok(Placement::Cpu);
+                }
+            }
             tracing::info!("running on CUDA device {ordinal}: {device}");
             Ok(Placement::Cuda { ordinal })
         }

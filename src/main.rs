@@ -35,7 +35,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args),
         Command::BenchEngine(args) => {
-            let placement = cli::resolve_device(args.engine.device)?;
+            let placement = args.engine.placement()?;
             args.engine.apply_threads();
             let report = bench::run(&args, placement)?;
             if args.json {
@@ -74,7 +74,7 @@ fn run(cli: Cli) -> Result<()> {
             sweep::run(&args)
         }
         Command::Generate(args) => {
-            let placement = cli::resolve_device(args.engine.device)?;
+            let placement = args.engine.placement()?;
             args.engine.apply_threads();
             let handle = EngineHandle::load_and_spawn(
                 &args.engine.model,
@@ -112,7 +112,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn serve(args: cli::ServeArgs) -> Result<()> {
-    let placement = cli::resolve_device(args.engine.device)?;
+    let placement = args.engine.placement()?;
     args.engine.apply_threads();
     let cfg = args.engine.engine_config(placement)?;
     let handle = EngineHandle::load_and_spawn(

@@ -19,7 +19,13 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             .parse()
             .map_err(|e| anyhow::anyhow!("{}: target.device: {e}", args.config.display()))?;
         // The harness gets the resolved placement (`auto` decided here).
-        cfg.device = Some(crate::cli::resolve_device(setting)?.to_string());
+        let needs: Vec<_> = cfg
+            .points
+            .iter()
+            .filter_map(|p| p.engine.as_ref())
+            .map(|e| (e.precision, Some(e.kv_dtype)))
+            .collect();
+        cfg.device = Some(crate::cli::resolve_device(setting, &needs)?.to_string());
     }
     // A file or dummy preset is hashed; a name another server serves is kept as its id.
     let model = match &cfg.target {

@@ -319,21 +319,24 @@ const MAX_LT_PLANS: usize = 256;
 fn keep_freed_memory_in_the_pool(device: &Device) {
     use cudarc::driver::sys;
     let _ = device.ctx.bind_to_thread();
-    // SAFETY: the pool handle comes from the driver for this device; the
-    // attribute value is a u64 as documented.
-    unsafe {
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, device.ctx.cu_device())
-            == sys::CUresult::CUDA_SUCCESS
-        {
-            let mut threshold = u64::MAX;
-            let _ = sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut c_void,
-            );
+    // cudarc panics when a driver lacks a symbol: guarded, and ignored.
+    let _ = guarded("cuMemPoolSetAttribute", || {
+        // SAFETY: the pool handle comes from the driver for this device; the
+        // attribute value is a u64 as documented.
+        unsafe {
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, device.ctx.cu_device())
+                == sys::CUresult::CUDA_SUCCESS
+            {
+                let mut threshold = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut c_void,
+                );
+            }
         }
-    }
+    });
 }
 
 /// Facts about how the runtime came up.
@@ -450,6 +453,25 @@ impl Gpu {
         self.stream
             .synchronize()
             .map_err(drv("cuStreamSynchronize"))
+    }
+
+    /// Returns the memory freed into the device's pool to the driver, so
+    /// that [`Gpu::mem_info`] counts it as free (freed buffers stay in the
+    /// pool, see `keep_freed_memory_in_the_pool`). Best effort.
+    pub fn trim_pool(&self) {
+        use cudarc::driver::sys;
+        let _ = self.synchronize();
+        let _ = guarded("cuMemPoolTrimTo", || {
+            // SAFETY: the pool of this device, trimmed after the stream is idle.
+            unsafe {
+                let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+                if sys::cuDeviceGetDefaultMemPool(&mut pool, self.device.ctx.cu_device())
+                    == sys::CUresult::CUDA_SUCCESS
+                {
+                    let _ = sys::cuMemPoolTrimTo(pool, 0);
+                }
+            }
+        });
     }
 
     /// (free, total) device memory in bytes.

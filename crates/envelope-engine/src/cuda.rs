@@ -47,6 +47,19 @@ pub fn activation_dtype(p: Precision) -> Result<DType> {
     })
 }
 
+/// Whether a precision (and a KV dtype, when one is asked for) can run on
+/// CUDA at all: `--device auto` falls back to the CPU when not.
+///
+/// # Errors
+/// The reason, as [`activation_dtype`] and [`kv_dtype`] give it.
+pub fn check_runs_on_cuda(p: Precision, kv: Option<KvDtype>) -> Result<()> {
+    let act = activation_dtype(p)?;
+    if let Some(k) = kv {
+        kv_dtype(act, k)?;
+    }
+    Ok(())
+}
+
 /// The KV-cache dtype a precision gets on CUDA when none is asked for: the
 /// activation dtype.
 pub fn default_kv_dtype(p: Precision) -> KvDtype {
@@ -491,7 +504,7 @@ impl CudaModel {
         let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.size();
         // Free the old pool (if any) before measuring what is free.
         self.kv = None;
-        self.gpu.synchronize()?;
+        self.gpu.trim_pool();
         let (free, total) = self.gpu.mem_info()?;
         let state = memory::MemoryState {
             total_bytes: total,
@@ -892,6 +905,16 @@ mod tests {
         }
     }
 
+    /// What `--device auto` falls back to the CPU for.
+    #[test]
+    fn what_cannot_run_on_cuda() {
+        assert!(check_runs_on_cuda(Precision::Q8_0, None).is_err());
+        assert!(check_runs_on_cuda(Precision::Bf16, Some(KvDtype::F32)).is_err());
+        assert!(check_runs_on_cuda(Precision::Bf16, None).is_ok());
+        assert!(check_runs_on_cuda(Precision::F32, Some(KvDtype::Bf16)).is_ok());
+        assert!(check_runs_on_cuda(Precision::Fp8, Some(KvDtype::Bf16)).is_ok());
+    }
+
     #[test]
     fn the_default_kv_dtype_is_always_accepted() {
         for p in Precision::ALL {
@@ -1075,7 +1098,9 @@ mod tests {
         let b: Vec<u32> = (0..9).map(|i| 300 - i * 11).collect();
         // (seq a range, start), (seq b range, start): prefill a; a decodes
         // while b prefills in two chunks; then both decode.
-        let steps: Vec<Vec<(&[u32], usize, &[u32])>> = vec![
+        // (tokens, start position, block table) per chunk.
+        type Chunk<'a> = (&'a [u32], usize, &'a [u32]);
+        let steps: Vec<Vec<Chunk>> = vec![
             vec![(&a[..10], 0, &ta)],
             vec![(&a[10..11], 10, &ta), (&b[..5], 0, &tb)],
             vec![(&a[11..12], 11, &ta), (&b[5..8], 5, &tb)],

@@ -316,7 +316,11 @@ pub fn bench(
         let per_seq_blocks = (max_c + decode_steps + 2).div_ceil(bs);
         let c = &m.config;
         let bytes = max_b * per_seq_blocks * bs * c.kv_bytes_per_token(kv_dtype.elem_bytes());
-        m.allocate_kv(&engine_config(kv_dtype, bytes))?;
+        // The activation reserve must cover the largest step run here.
+        let mut ecfg = engine_config(kv_dtype, bytes);
+        ecfg.scheduler.max_num_batched_tokens = max_prefill_tokens.max(max_b);
+        ecfg.scheduler.max_num_seqs = max_b;
+        m.allocate_kv(&ecfg)?;
         let vocab = m.config.vocab_size;
         let tables: Vec<Vec<u32>> = (0..max_b)
             .map(|s| ((s * per_seq_blocks) as u32..((s + 1) * per_seq_blocks) as u32).collect())

@@ -295,6 +295,14 @@ impl Engine {
                 message: "max_num_seqs and max_num_batched_tokens must be > 0".into(),
             });
         }
+        if let KvBudget::FractionOfAvailable(f) = cfg.kv_budget {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(EngineError::InvalidSetting {
+                    field: "kv_cache_fraction",
+                    message: format!("must be in (0, 1], got {f}"),
+                });
+            }
+        }
         Ok(())
     }
 
@@ -780,6 +788,8 @@ fn run_loop(engine: &mut Engine, rx: mpsc::Receiver<Command>) {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
+    /// The engine thread, joined by [`EngineHandle::shutdown_and_wait`].
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
     pub info: Arc<EngineInfo>,
     pub metrics: Arc<EngineMetrics>,
     pub tokenizer: Arc<TextTokenizer>,
@@ -813,7 +823,7 @@ impl EngineHandle {
         let info = Arc::new(engine.info.clone());
         let metrics = engine.metrics.clone();
         let (tx, rx) = mpsc::channel::<Command>();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("envelope-engine".into())
             .spawn(move || {
                 // The loop runs on a worker of its own rayon pool, so each
@@ -835,6 +845,7 @@ impl EngineHandle {
             })?;
         Ok(EngineHandle {
             tx,
+            thread: Arc::new(Mutex::new(Some(thread))),
             info,
             metrics,
             tokenizer,
@@ -885,6 +896,16 @@ impl EngineHandle {
 
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// Shuts the engine down and waits until its thread has ended, so its
+    /// model and KV pool are freed (GPU memory included) when this returns.
+    pub fn shutdown_and_wait(&self) {
+        self.shutdown();
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
     }
 }
 

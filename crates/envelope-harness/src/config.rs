@@ -86,8 +86,10 @@ fn default_block_size() -> usize {
 pub struct MatrixConfig {
     #[serde(default = "as_served")]
     pub precisions: Vec<String>,
-    #[serde(default = "default_kv")]
-    pub kv_dtypes: Vec<String>,
+    /// Absent: `f32`, or on a `cuda`/`auto` engine device each precision's
+    /// CUDA activation dtype (`bf16` for bf16/as-stored/fp8).
+    #[serde(default)]
+    pub kv_dtypes: Option<Vec<String>>,
     #[serde(default = "as_served")]
     pub batch_policies: Vec<String>,
     #[serde(default = "default_seqs")]
@@ -102,9 +104,6 @@ pub struct MatrixConfig {
     pub concurrency_max: u32,
 }
 
-fn default_kv() -> Vec<String> {
-    vec!["f32".into()]
-}
 fn as_served() -> Vec<String> {
     vec!["as-served".into()]
 }
@@ -408,12 +407,33 @@ impl BenchConfig {
             }
         };
         nonempty(&m.precisions, "precisions")?;
-        nonempty(&m.kv_dtypes, "kv_dtypes")?;
+        if let Some(k) = &m.kv_dtypes {
+            nonempty(k, "kv_dtypes")?;
+        }
+        let on_gpu = target == Target::Engine
+            && t.device
+                .as_deref()
+                .is_some_and(|d| d.starts_with("cuda") || d == "auto" || d == "gpu");
+        // The KV dtypes of precision `p` when the config names none.
+        let default_kvs = |p: &str| -> Result<Vec<String>, ConfigError> {
+            Ok(vec![if on_gpu {
+                let precision = p
+                    .parse()
+                    .map_err(|e| err(format!("matrix.precisions: {e}")))?;
+                envelope_engine::cuda::default_kv_dtype(precision).to_string()
+            } else {
+                "f32".to_string()
+            }])
+        };
         nonempty(&m.batch_policies, "batch_policies")?;
         nonempty(&m.buckets, "buckets")?;
         let mut points = vec![];
         for p in &m.precisions {
-            for k in &m.kv_dtypes {
+            let kvs = match &m.kv_dtypes {
+                Some(k) => k.clone(),
+                None => default_kvs(p)?,
+            };
+            for k in &kvs {
                 for b in &m.batch_policies {
                     let mut point = MatrixPoint {
                         precision: p.clone(),
@@ -590,6 +610,44 @@ concurrency_max = 16
 itl_p95_ms = 500
 headroom = 0.25
 "#;
+
+    /// Without `kv_dtypes`, a CUDA engine gets each precision's activation
+    /// dtype (what its kernels pair with), the CPU keeps f32; an explicit
+    /// list wins everywhere.
+    #[test]
+    fn kv_dtypes_default_to_the_device() {
+        let kv = |text: &str| -> Vec<String> {
+            BenchConfig::parse(text, Path::new("d.toml"))
+                .unwrap()
+                .points
+                .iter()
+                .map(|p| p.name())
+                .collect()
+        };
+        let gpu = OK
+            .replace("kv_cache_bytes", "device = \"cuda\"\nkv_cache_bytes")
+            .replace("[\"f32\", \"q8_0\"]", "[\"f32\", \"bf16\", \"fp8\"]")
+            .replace("[\"continuous\", \"static\"]", "[\"continuous\"]");
+        assert_eq!(
+            kv(&gpu),
+            [
+                "f32-f32-continuous",
+                "bf16-bf16-continuous",
+                "fp8-bf16-continuous"
+            ]
+        );
+        let cpu = gpu.replace("device = \"cuda\"\n", "");
+        assert_eq!(
+            kv(&cpu),
+            [
+                "f32-f32-continuous",
+                "bf16-f32-continuous",
+                "fp8-f32-continuous"
+            ]
+        );
+        let explicit = gpu.replace("[matrix]", "[matrix]\nkv_dtypes = [\"f16\"]");
+        assert_eq!(kv(&explicit)[1], "bf16-f16-continuous");
+    }
 
     #[test]
     fn parses_and_expands_the_matrix() {

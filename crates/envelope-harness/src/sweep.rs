@@ -200,7 +200,7 @@ fn bytes_per_param(p: Precision) -> Option<f64> {
         Precision::F16 | Precision::Bf16 => Some(2.0),
         Precision::Q8_0 => Some(34.0 / 32.0),
         Precision::Q4_0 => Some(18.0 / 32.0),
-        Precision::Fp8 => Some(1.0),
+        Precision::Fp8 => None,
         Precision::AsStored => None,
     }
 }
@@ -224,7 +224,8 @@ struct Session {
 impl Session {
     fn close(self) {
         if let Some(e) = &self.engine {
-            e.shutdown();
+            // Wait: the next point's load must see this one's memory freed.
+            e.shutdown_and_wait();
         }
         drop(self.server);
     }
@@ -267,24 +268,51 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
         precision: e.precision,
         tokenizer: None,
     };
-    let (built, template) = Engine::load(&cfg.model, &opts, placement, &ecfg)
-        .map_err(|err| format!("load failed: {err}"))?;
-    let resident_after_load_bytes = rss()
-        .zip(rss_before)
-        .map(|(after, before)| after.saturating_sub(before));
+    let load_failed = |err: envelope_engine::EngineError| format!("load failed: {err}");
+    let start_failed = |err: envelope_engine::EngineError| format!("engine start failed: {err}");
+    // Host memory is measured around the weights alone (the KV pool comes
+    // after); on CUDA the weights are in device memory, reported by NVML.
+    let (built, template, resident_after_load_bytes, source) = match placement {
+        Placement::Cpu => {
+            let loaded = envelope_engine::load(&cfg.model, &opts).map_err(load_failed)?;
+            let resident = rss()
+                .zip(rss_before)
+                .map(|(after, before)| after.saturating_sub(before));
+            let template = Arc::new(loaded.chat_template);
+            let engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), loaded.info, &ecfg)
+                .map_err(start_failed)?;
+            (engine, template, resident, "engine")
+        }
+        Placement::Cuda { ordinal } => {
+            let loaded =
+                envelope_engine::load_cuda(&cfg.model, &opts, ordinal).map_err(load_failed)?;
+            let template = Arc::new(loaded.chat_template);
+            let engine =
+                Engine::new_cuda(loaded.model, Arc::new(loaded.tokenizer), loaded.info, &ecfg)
+                    .map_err(start_failed)?;
+            (engine, template, None, "engine-cuda")
+        }
+    };
     let params = built.info.model.weights.num_parameters as f64;
     let weight_bytes = built.info.model.weights.total_bytes as u64;
+    let weight_bytes_analytic = match e.precision {
+        // Layer matrices at 1 byte, embedding and LM head at 2.
+        Precision::Fp8 => envelope_engine::cuda_check::analytic_weight_bytes(
+            &built.info.model.config,
+            Precision::Fp8,
+        ) as u64,
+        p => bytes_per_param(p).map_or(weight_bytes, |b| (params * b) as u64),
+    };
     let engine = EngineHandle::spawn_engine(built, template)
         .map_err(|err| format!("engine start failed: {err}"))?;
     let memory = MemoryReport {
         weight_bytes,
-        weight_bytes_analytic: bytes_per_param(e.precision)
-            .map_or(weight_bytes, |b| (params * b) as u64),
+        weight_bytes_analytic,
         kv_bytes_per_token: engine.info.kv_bytes_per_token as u64,
         kv_capacity_tokens: engine.info.kv_capacity_tokens as u64,
         peak_bytes: None,
         resident_after_load_bytes,
-        source: Some("engine".into()),
+        source: Some(source.into()),
     };
     Ok(Session {
         driver: Arc::new(EngineDriver {
