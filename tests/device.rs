@@ -171,3 +171,43 @@ fn sweep_reads_target_device() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// scripts/device-check.sh itself, on a machine without a GPU: every stage
+/// asked for runs, the CUDA ones fail with the reason, `auto` falls back to
+/// the CPU, the log is written, and the exit status says "not passed".
+#[test]
+fn device_check_script_runs_its_stages_and_reports() {
+    if gpu_present() {
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("envelope-device-check-{}", std::process::id()));
+    let r = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/device-check.sh"
+        ))
+        .arg(&out)
+        .arg("kernels,engine")
+        .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
+        .env_remove("ENVELOPE_DEVICE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert_eq!(r.status.code(), Some(1), "{stdout}");
+    let log = std::fs::read_to_string(out.join("device-check.log")).unwrap();
+    for want in [
+        "== kernels:",
+        "== kernel-cache:",
+        "== engine-cuda:",
+        "== engine-auto:",
+        "libcuda.so",
+        "falling back to the CPU",
+        "device-check exit status 1",
+    ] {
+        assert!(log.contains(want), "missing {want:?} in\n{log}");
+    }
+    assert!(!log.contains("== models:") && !log.contains("== bench:"));
+    let report = std::fs::read_to_string(out.join("selftest.json")).unwrap();
+    assert!(report.contains("device_error"), "{report}");
+    let _ = std::fs::remove_dir_all(&out);
+}
