@@ -566,6 +566,31 @@ impl CudaModel {
     /// # Errors
     /// No KV pool yet, a malformed step, or a CUDA failure.
     pub fn forward(&self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
+        let Some(logits) = self.forward_logits(chunks)? else {
+            return Ok(Vec::new());
+        };
+        let v = self.gpu.download(&logits.buf)?;
+        Ok(v.chunks_exact(self.config.vocab_size)
+            .map(|r| r.to_vec())
+            .collect())
+    }
+
+    /// Runs one step and picks the greedy token of each logits row on the
+    /// device (`argmax` kernel: the lowest index on a tie, as the CPU).
+    ///
+    /// # Errors
+    /// As [`CudaModel::forward`].
+    pub fn forward_greedy(&self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+        let Some(logits) = self.forward_logits(chunks)? else {
+            return Ok(Vec::new());
+        };
+        Ok(self
+            .gpu
+            .argmax(&logits.buf, logits.rows, self.config.vocab_size)?)
+    }
+
+    /// The step's `[rows, vocab]` f32 logits, left on the device.
+    fn forward_logits(&self, chunks: &[SeqChunk]) -> Result<Option<Act>> {
         let kv = self
             .kv
             .as_ref()
@@ -576,7 +601,7 @@ impl CudaModel {
         self.gpu.bind()?;
         let step = StepBatch::new(chunks);
         if step.ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         // The embedding kernel does not bound-check: an id past the table
         // would read out of bounds (and a fault kills the context).
@@ -605,13 +630,7 @@ impl CudaModel {
             meta: &meta,
             dev,
         };
-        let Some(logits) = model::forward(&self.config, &mut b, &step)? else {
-            return Ok(Vec::new());
-        };
-        let v = g.download(&logits.buf)?;
-        Ok(v.chunks_exact(self.config.vocab_size)
-            .map(|r| r.to_vec())
-            .collect())
+        model::forward(&self.config, &mut b, &step)
     }
 }
 

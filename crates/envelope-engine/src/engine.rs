@@ -180,6 +180,29 @@ impl Sequence {
 pub trait StepRunner: Send {
     /// One f32 logits row per chunk that wants logits, in chunk order.
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>>;
+
+    /// Whether [`StepRunner::forward_greedy`] picks tokens where the logits
+    /// are (a GPU), saving their copy to the host.
+    fn greedy_on_device(&self) -> bool {
+        false
+    }
+
+    /// One greedy token (the largest logit, the lowest index on a tie, as
+    /// [`crate::sampling::argmax`]) per chunk that wants logits.
+    fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+        Ok(self
+            .forward(chunks)?
+            .iter()
+            .map(|l| crate::sampling::argmax(l))
+            .collect())
+    }
+}
+
+/// What a step's forward pass handed back for sampling.
+enum Sampled {
+    Logits(Vec<Vec<f32>>),
+    /// Greedy tokens chosen by the runner.
+    Tokens(Vec<u32>),
 }
 
 struct CpuRunner {
@@ -199,6 +222,12 @@ impl StepRunner for CpuRunner {
 impl StepRunner for crate::cuda::CudaModel {
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
         crate::cuda::CudaModel::forward(self, chunks)
+    }
+    fn greedy_on_device(&self) -> bool {
+        true
+    }
+    fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+        crate::cuda::CudaModel::forward_greedy(self, chunks)
     }
 }
 
@@ -544,9 +573,20 @@ impl Engine {
                 want_logits: w.samples,
             })
             .collect();
-        let logits = self.runner.forward(&chunks);
+        // Every sampled sequence greedy: a GPU runner picks the tokens
+        // itself instead of copying [rows, vocab] logits back.
+        let all_greedy = plan
+            .work
+            .iter()
+            .filter(|w| w.samples)
+            .all(|w| self.seqs[&w.id].params.temperature <= 0.0);
+        let logits = if all_greedy && self.runner.greedy_on_device() {
+            self.runner.forward_greedy(&chunks).map(Sampled::Tokens)
+        } else {
+            self.runner.forward(&chunks).map(Sampled::Logits)
+        };
         drop(chunks);
-        let logits = match logits {
+        let sampled = match logits {
             Ok(l) => l,
             Err(e) => {
                 // A failed forward pass fails the sequences in it, not the engine.
@@ -560,7 +600,6 @@ impl Engine {
                 return Err(e);
             }
         };
-        let rows: Vec<Vec<f32>> = logits;
         let mut row = 0;
         let now = Instant::now();
         let mut decode_tokens = 0;
@@ -570,13 +609,15 @@ impl Engine {
             if !w.samples {
                 continue;
             }
-            let logits = &rows[row];
+            let seq = self.seqs.get_mut(&w.id).expect("scheduled sequence exists");
+            let tok = match &sampled {
+                Sampled::Logits(rows) => seq.sampler.sample(&rows[row], &seq.params),
+                Sampled::Tokens(t) => t[row],
+            };
             row += 1;
             if w.len == 1 {
                 decode_tokens += 1;
             }
-            let seq = self.seqs.get_mut(&w.id).expect("scheduled sequence exists");
-            let tok = seq.sampler.sample(logits, &seq.params);
             seq.tokens.push(tok);
             self.scheduler.append(w.id);
             self.metrics
@@ -949,4 +990,123 @@ pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result
             message: "the prompt is empty".into(),
         })?;
     Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::{load, LoadOptions};
+    use crate::precision::Precision;
+
+    /// A CPU runner that claims device sampling and counts which path the
+    /// engine takes.
+    struct Counting {
+        inner: CpuRunner,
+        greedy_calls: Arc<AtomicUsize>,
+        logits_calls: Arc<AtomicUsize>,
+    }
+
+    impl StepRunner for Counting {
+        fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
+            self.logits_calls.fetch_add(1, Ordering::Relaxed);
+            self.inner.forward(chunks)
+        }
+        fn greedy_on_device(&self) -> bool {
+            true
+        }
+        fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+            self.greedy_calls.fetch_add(1, Ordering::Relaxed);
+            Ok(self
+                .inner
+                .forward(chunks)?
+                .iter()
+                .map(|l| crate::sampling::argmax(l))
+                .collect())
+        }
+    }
+
+    fn run(engine: &mut Engine, temperature: f32) -> Vec<u32> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let params = SamplingParams {
+            temperature,
+            seed: Some(3),
+            ignore_eos: true,
+            ..SamplingParams::greedy(6)
+        };
+        engine
+            .add_request(
+                GenerateRequest {
+                    prompt_tokens: vec![5, 17, 99, 3],
+                    params,
+                },
+                tx,
+            )
+            .unwrap();
+        while engine.has_work() {
+            engine.step().unwrap();
+        }
+        let mut out = vec![];
+        while let Ok(ev) = rx.try_recv() {
+            if let Event::Token { id, .. } = ev {
+                out.push(id);
+            }
+        }
+        out
+    }
+
+    /// Greedy steps go through the runner's device sampling when it has
+    /// one, with the tokens the host sampler would pick; a sampled request
+    /// still gets logits.
+    #[test]
+    fn greedy_steps_use_the_runners_device_sampling() {
+        let opts = LoadOptions {
+            precision: Precision::F32,
+            tokenizer: None,
+        };
+        let cfg = EngineConfig {
+            kv_budget: KvBudget::Bytes(1 << 20),
+            ..EngineConfig::default()
+        };
+        let plain = load("dummy:tiny@9", &opts).unwrap();
+        let mut host =
+            Engine::new(plain.model, Arc::new(plain.tokenizer), plain.info, &cfg).unwrap();
+        let want = run(&mut host, 0.0);
+
+        let l = load("dummy:tiny@9", &opts).unwrap();
+        let (greedy_calls, logits_calls) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let mc = l.model.config.clone();
+        let g = KvGeometry {
+            num_layers: mc.num_layers,
+            num_blocks: host.info.kv_blocks_total,
+            block_size: cfg.block_size,
+            num_kv_heads: mc.num_kv_heads,
+            head_dim: mc.head_dim,
+        };
+        let kv = KvPool::new(g, cfg.kv_dtype);
+        let (bpt, bytes) = (kv.bytes_per_token(), kv.bytes());
+        let runner = Counting {
+            inner: CpuRunner { model: l.model, kv },
+            greedy_calls: greedy_calls.clone(),
+            logits_calls: logits_calls.clone(),
+        };
+        let mut dev = Engine::assemble(
+            Box::new(runner),
+            &mc,
+            g.num_blocks,
+            bpt,
+            bytes,
+            Arc::new(l.tokenizer),
+            l.info,
+            &cfg,
+        );
+        assert_eq!(run(&mut dev, 0.0), want);
+        assert!(greedy_calls.load(Ordering::Relaxed) >= 6);
+        assert_eq!(logits_calls.load(Ordering::Relaxed), 0);
+        assert_eq!(run(&mut dev, 1.0).len(), 6);
+        assert!(
+            logits_calls.load(Ordering::Relaxed) >= 6,
+            "sampling needs logits"
+        );
+    }
 }
