@@ -42,14 +42,15 @@ pub enum Command {
     Quality(crate::quality::QualityArgs),
     /// Govern an OpenAI-compatible server: admit only what a profile's limits allow.
     Govern(Box<crate::govern::GovernArgs>),
-    /// GPU self-test for scripts/device-check.sh: device facts, NVRTC compile and every kernel against its CPU reference.
+    /// GPU self-test for scripts/device-check.sh: device facts, NVRTC compile and every kernel against its CPU reference; --models: whole dummy models on the GPU against the CPU engine; --bench: GPU tokens/s.
     #[command(hide = true)]
     CudaSelftest(CudaSelftestArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct CudaSelftestArgs {
-    /// Directory for selftest.json.
+    /// Directory for selftest.json (model-check.json with --models,
+    /// bench-cuda.json and .csv with --bench).
     #[arg(long)]
     pub out: PathBuf,
     /// CUDA device ordinal.

@@ -189,6 +189,7 @@ fn device_check_script_runs_its_stages_and_reports() {
         .arg(&out)
         .arg("kernels,engine")
         .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
+        .env("ENVELOPE_LOG", "warn")
         .env_remove("ENVELOPE_DEVICE")
         .output()
         .unwrap();
@@ -200,14 +201,25 @@ fn device_check_script_runs_its_stages_and_reports() {
         "== kernel-cache:",
         "== engine-cuda:",
         "== engine-auto:",
-        "libcuda.so",
         "falling back to the CPU",
         "device-check exit status 1",
     ] {
         assert!(log.contains(want), "missing {want:?} in\n{log}");
     }
+    assert!(names_a_reason(&log), "{log}");
     assert!(!log.contains("== models:") && !log.contains("== bench:"));
-    let report = std::fs::read_to_string(out.join("selftest.json")).unwrap();
-    assert!(report.contains("device_error"), "{report}");
+    assert!(out.join("selftest.json").is_file());
+    // A stage name the script does not know is refused, not skipped.
+    let bad = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/device-check.sh"
+        ))
+        .arg(&out)
+        .arg("kernels,benhc")
+        .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
     let _ = std::fs::remove_dir_all(&out);
 }

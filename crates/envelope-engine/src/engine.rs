@@ -586,6 +586,23 @@ impl Engine {
             self.runner.forward(&chunks).map(Sampled::Logits)
         };
         drop(chunks);
+        // One row (or token) per sampled chunk, or the step fails cleanly
+        // instead of indexing past the end on the engine thread.
+        let wanted = plan.work.iter().filter(|w| w.samples).count();
+        let logits = logits.and_then(|s| {
+            let got = match &s {
+                Sampled::Logits(r) => r.len(),
+                Sampled::Tokens(t) => t.len(),
+            };
+            if got == wanted {
+                Ok(s)
+            } else {
+                Err(EngineError::InvalidSetting {
+                    field: "engine",
+                    message: format!("the forward pass returned {got} rows for {wanted} sequences"),
+                })
+            }
+        });
         let sampled = match logits {
             Ok(l) => l,
             Err(e) => {

@@ -104,16 +104,10 @@ impl Sampler {
     }
 }
 
-/// Index of the largest logit; the lowest index wins a tie.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest logit; the lowest index wins a tie. One definition
+/// for the host sampler and the reference the GPU's `argmax` kernel is
+/// checked against, so greedy decoding picks the same token on both.
+pub use envelope_cuda::reference::argmax;
 
 #[cfg(test)]
 mod tests {

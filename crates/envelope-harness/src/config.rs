@@ -411,9 +411,10 @@ impl BenchConfig {
             nonempty(k, "kv_dtypes")?;
         }
         let on_gpu = target == Target::Engine
-            && t.device
-                .as_deref()
-                .is_some_and(|d| d.starts_with("cuda") || d == "auto" || d == "gpu");
+            && t.device.as_deref().is_some_and(|d| {
+                let d = d.trim().to_ascii_lowercase();
+                d.starts_with("cuda") || d == "auto" || d == "gpu"
+            });
         // The KV dtypes of precision `p` when the config names none.
         let default_kvs = |p: &str| -> Result<Vec<String>, ConfigError> {
             Ok(vec![if on_gpu {
