@@ -825,13 +825,11 @@ impl Gpu {
     /// Per-tensor e4m3 quantisation of the first `n` elements of `x` into
     /// `out` (scale written on the device).
     pub fn quantize_fp8_into(&self, x: &Buf, n: usize, out: &Fp8Buf) -> Result<()> {
-        let mut amax = self
+        // alloc_zeros: the absmax kernel's atomicMax starts from 0.
+        let amax = self
             .stream
             .alloc_zeros::<f32>(1)
             .map_err(drv("cuMemAlloc"))?;
-        self.stream
-            .memset_zeros(&mut amax)
-            .map_err(drv("cuMemsetD8"))?;
         let blocks = n
             .div_ceil(geometry::ELEMENTWISE_THREADS as usize)
             .clamp(1, 1024);
