@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue #7, for a machine with an NVIDIA driver:
-# it needs the release binary and the machine's CUDA libraries (the driver,
-# and NVRTC, cuBLAS and the CUDA headers from the toolkit or pip wheels); no
-# build tools, no network, no model files: the models are `dummy:` presets
-# generated on the device. Run from the repository root:
+# The prepared GPU check of issue #7, for a machine with an NVIDIA driver
+# (R580+, CUDA 13.0): it needs the release binary and nothing else. No CUDA
+# toolkit: without NVRTC the kernels load from the PTX embedded in the binary
+# and without cuBLAS the GEMMs run on kernels/gemm.cu (where the toolkit or
+# NVIDIA's pip wheels are installed they are used, and the driver-only stage
+# switches them off to check the other path). No build tools, no network, no
+# model files: the models are `dummy:` presets generated on the device. Run
+# from the repository root:
 #
 #   scripts/device-check.sh [OUT] [STAGES]   # OUT defaults to $OUT, else device-check-out
-#                                            # STAGES: comma list of kernels,models,engine,bench (default: all)
+#                                            # STAGES: comma list of kernels,driver-only,models,engine,bench (default: all)
 #
 # Nothing here has run on a GPU yet, so the real durations are unknown. Each
 # stage has a timeout (below), so a hang costs at most that: kernels 120 s,
-# kernel-cache 30 s, models 180 s, engine 90 + 30 s, bench 300 s (750 s in
-# all). A device call is limited to 600 s: run it in two calls,
-# `kernels,models` and then `engine,bench`.
+# kernel-cache 30 s, driver-only 60 + 120 s, models 180 s, engine 90 + 30 s,
+# bench 300 s (930 s in all). A device call is limited to 600 s: run it in
+# two calls, `kernels,driver-only,models` and then `engine,bench`.
 # Stages:
 #   kernels  `envelope cuda-selftest`: device and NVML facts, every kernel in
 #            kernels/ compiled by the machine's NVRTC (libnvrtc.so.13 from the
@@ -20,6 +23,10 @@
 #            CPU reference (tolerances per dtype in
 #            crates/envelope-cuda/src/selftest.rs) -> OUT/selftest.json; then a
 #            second run whose compiles must come from the kernel cache.
+#   driver-only  the same self-test, then the model check of dummy:smollm2-135m,
+#            with ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels: NVRTC and
+#            cuBLAS are not opened, as on a machine with only the driver ->
+#            OUT/driver-only/.
 #   models   `cuda-selftest --models`: dummy:smollm2-135m and dummy:llama-3.2-1b
 #            on the GPU against the CPU engine on this machine, in f32, bf16 and
 #            fp8 (against the CPU's fp8 emulation): last-token logits and 8
@@ -35,7 +42,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${ENVELOPE_BIN:-target/release/envelope}
 DEST=${1:-${OUT:-device-check-out}}
-STAGES=${2:-kernels,models,engine,bench}
+STAGES=${2:-kernels,driver-only,models,engine,bench}
 mkdir -p "$DEST"
 # A fresh kernel cache, so the run measures the compile too.
 export ENVELOPE_KERNEL_CACHE=$(mktemp -d)
@@ -51,9 +58,9 @@ fi
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 for s in ${STAGES//,/ }; do
   case "$s" in
-    kernels | models | engine | bench) ;;
+    kernels | driver-only | models | engine | bench) ;;
     *)
-      echo "device-check: unknown stage '$s' (kernels, models, engine, bench)" | tee -a "$LOG"
+      echo "device-check: unknown stage '$s' (kernels, driver-only, models, engine, bench)" | tee -a "$LOG"
       exit 2
       ;;
   esac
@@ -94,6 +101,13 @@ if want kernels; then
     echo "kernel-cache: some compiles of the second run did not come from the cache" | tee -a "$LOG"
     status=1
   fi
+fi
+
+if want driver-only; then
+  only=(env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels)
+  run driver-only-kernels 60 "${only[@]}" "$BIN" cuda-selftest --out "$DEST/driver-only"
+  run driver-only-models 120 "${only[@]}" "$BIN" cuda-selftest --models \
+    --check-models dummy:smollm2-135m --out "$DEST/driver-only"
 fi
 
 if want models; then

@@ -44,13 +44,9 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
         (None, Some(e)) => println!("device: {e}"),
         (None, None) => {}
     }
-    println!(
-        "NVRTC: {} {}",
-        rep.nvrtc.as_deref().unwrap_or("-"),
-        rep.nvrtc_version.as_deref().unwrap_or("")
-    );
-    if let Some(e) = &rep.nvrtc_error {
-        println!("NVRTC unavailable: {e}");
+    println!("kernels: {}", rep.kernels.as_deref().unwrap_or("-"));
+    if let Some(e) = &rep.kernels_error {
+        println!("kernels unavailable: {e}");
     }
     println!("cuBLAS: {}", rep.cublas.as_deref().unwrap_or("-"));
     for w in &rep.warnings {

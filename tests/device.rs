@@ -187,7 +187,7 @@ fn device_check_script_runs_its_stages_and_reports() {
             "/scripts/device-check.sh"
         ))
         .arg(&out)
-        .arg("kernels,engine")
+        .arg("kernels,driver-only,engine")
         .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
         .env("ENVELOPE_LOG", "warn")
         .env_remove("ENVELOPE_DEVICE")
@@ -199,6 +199,8 @@ fn device_check_script_runs_its_stages_and_reports() {
     for want in [
         "== kernels:",
         "== kernel-cache:",
+        "== driver-only-kernels: env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
+        "== driver-only-models:",
         "== engine-cuda:",
         "== engine-auto:",
         "falling back to the CPU",
@@ -209,6 +211,7 @@ fn device_check_script_runs_its_stages_and_reports() {
     assert!(names_a_reason(&log), "{log}");
     assert!(!log.contains("== models:") && !log.contains("== bench:"));
     assert!(out.join("selftest.json").is_file());
+    assert!(out.join("driver-only/selftest.json").is_file());
     // A stage name the script does not know is refused, not skipped.
     let bad = Command::new("bash")
         .arg(concat!(

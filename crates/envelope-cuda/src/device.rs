@@ -1,5 +1,5 @@
-//! Device discovery: [`Device::open`] finds the driver, NVRTC and cuBLAS,
-//! then the GPU, and says exactly which of them is missing. The libraries
+//! Device discovery: [`Device::open`] finds the driver, then the GPU, and
+//! says exactly which of them is missing. The libraries
 //! are probed with our own `dlopen` first (cudarc panics on a missing
 //! library) and every cudarc call runs under [`guarded`] as a second guard.
 
@@ -13,7 +13,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone, Serialize)]
 pub struct Libraries {
     pub driver: String,
-    /// `None` when only the driver was required ([`Device::open_driver`]).
+    /// `None` when not used (the embedded PTX, the GEMM kernels).
     pub nvrtc: Option<String>,
     pub cublas: Option<String>,
 }
@@ -52,31 +52,15 @@ fn driver_err(call: &'static str) -> impl Fn(DriverError) -> CudaError {
 }
 
 impl Device {
-    /// Opens device `ordinal` with everything the engine needs: the driver,
-    /// NVRTC and cuBLAS/cuBLASLt.
+    /// Opens device `ordinal`. Needs only the driver: NVRTC and cuBLAS are
+    /// optional ([`crate::embedded`]), and [`crate::runtime::Gpu::open`]
+    /// records them in [`DeviceInfo::libraries`] when it uses them.
     ///
     /// # Errors
-    /// [`CudaError::LibraryMissing`] (naming `libcuda.so`, `libnvrtc.so` or
-    /// `libcublas.so`), [`CudaError::NoDevice`], [`CudaError::BadOrdinal`],
+    /// [`CudaError::LibraryMissing`] (naming `libcuda.so`),
+    /// [`CudaError::NoDevice`], [`CudaError::BadOrdinal`],
     /// [`CudaError::Driver`], [`CudaError::Panicked`].
     pub fn open(ordinal: usize) -> Result<Device> {
-        let driver = probe(CudaLib::Driver)?;
-        let nvrtc = probe(CudaLib::Nvrtc)?;
-        probe(CudaLib::CublasLt)?;
-        let cublas = probe(CudaLib::Cublas)?;
-        Self::open_with(
-            ordinal,
-            Libraries {
-                driver,
-                nvrtc: Some(nvrtc),
-                cublas: Some(cublas),
-            },
-        )
-    }
-
-    /// Opens device `ordinal` needing only the driver (the self-test reports
-    /// NVRTC and cuBLAS separately).
-    pub fn open_driver(ordinal: usize) -> Result<Device> {
         let driver = probe(CudaLib::Driver)?;
         Self::open_with(
             ordinal,
@@ -166,7 +150,7 @@ mod tests {
 
     #[test]
     fn bad_ordinal_is_typed() {
-        if let Err(e) = Device::open_driver(10_000) {
+        if let Err(e) = Device::open(10_000) {
             let ok = matches!(
                 e,
                 CudaError::BadOrdinal { .. }

@@ -39,6 +39,13 @@ pub enum CudaError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// An environment setting with a value it does not take.
+    #[error("{name}={value:?} is not a valid setting: use one of {allowed}")]
+    Setting {
+        name: String,
+        value: String,
+        allowed: &'static str,
+    },
     #[error("{kernel}: unsupported shape: {reason}")]
     Shape {
         kernel: &'static str,

@@ -189,6 +189,35 @@ pub fn sampling(rows: usize) -> Result<Launch> {
     })
 }
 
+/// Output tile of `gemm.cu` (`G_BM` x `G_BN`).
+pub const GEMM_TILE: usize = 64;
+/// Threads of `gemm.cu`'s tensor-core kernels (four warps of 32x32) and of
+/// its f32 kernel (16 x 16 threads of 4x4).
+pub const GEMM_TC_THREADS: u32 = 128;
+pub const GEMM_F32_THREADS: u32 = 256;
+
+/// `gemm.cu`: one block per 64x64 tile of `y[rows, out]`; grid.x over
+/// `out`, grid.y over `rows`.
+pub fn gemm(rows: usize, out: usize, f32: bool) -> Result<Launch> {
+    Ok(Launch {
+        grid: (
+            dim_x("gemm", out.div_ceil(GEMM_TILE))?,
+            dim_yz("gemm", "row tiles", rows.div_ceil(GEMM_TILE))?,
+            1,
+        ),
+        block: (
+            if f32 {
+                GEMM_F32_THREADS
+            } else {
+                GEMM_TC_THREADS
+            },
+            1,
+            1,
+        ),
+        shared_bytes: 0,
+    })
+}
+
 /// Block tables as one `[num_seqs, max_blocks]` i32 array (row-major),
 /// padded with block 0: a padding entry is never read, since the kernels
 /// stop at the context length, and 0 is always a valid block if it were.
@@ -298,6 +327,37 @@ pub fn bucket_for(batch: usize, buckets: &[usize]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemm_tiles_cover_the_output_once() {
+        for (rows, out) in [
+            (1, 1),
+            (1, 4096),
+            (63, 65),
+            (64, 64),
+            (65, 128_256),
+            (16_384, 14_336),
+        ] {
+            let l = gemm(rows, out, false).unwrap();
+            let (gx, gy) = (l.grid.0 as usize, l.grid.1 as usize);
+            // Every output inside a tile, and no tile wholly outside.
+            assert!(
+                gx * GEMM_TILE >= out && (gx - 1) * GEMM_TILE < out,
+                "{rows}x{out}"
+            );
+            assert!(
+                gy * GEMM_TILE >= rows && (gy - 1) * GEMM_TILE < rows,
+                "{rows}x{out}"
+            );
+            assert_eq!(l.block.0, 128);
+            // The tensor-core kernel's 4 warps are 2x2 warps of 32x32.
+            assert_eq!((l.block.0 / 32) as usize * 32 * 32, GEMM_TILE * GEMM_TILE);
+        }
+        // The f32 kernel: 16x16 threads of 4x4 outputs.
+        let l = gemm(5, 5, true).unwrap();
+        assert_eq!(l.block.0 as usize * 16, GEMM_TILE * GEMM_TILE);
+        assert!(gemm(0, 5, false).is_err() && gemm(5, 0, true).is_err());
+    }
 
     #[test]
     fn elementwise_covers_every_element_once() {

@@ -10,34 +10,41 @@ pub struct KernelSource {
     pub file: &'static str,
     pub source: &'static str,
     pub entries: &'static [&'static str],
+    /// Its PTX for each of [`crate::embedded::ARCHS`], made by
+    /// `scripts/gen-ptx.sh` (`kernels/ptx/`), for machines without NVRTC.
+    pub ptx: [&'static str; 2],
 }
 
 /// Headers the kernels `#include "..."`, handed to NVRTC in memory.
 pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../../kernels/common.cuh"))];
 
 macro_rules! k {
-    ($file:literal, [$($e:literal),* $(,)?]) => {
+    ($stem:literal, [$($e:literal),* $(,)?]) => {
         KernelSource {
-            file: $file,
-            source: include_str!(concat!("../../../kernels/", $file)),
+            file: concat!($stem, ".cu"),
+            source: include_str!(concat!("../../../kernels/", $stem, ".cu")),
             entries: &[$($e),*],
+            ptx: [
+                include_str!(concat!("../../../kernels/ptx/", $stem, ".compute_80.ptx")),
+                include_str!(concat!("../../../kernels/ptx/", $stem, ".compute_90.ptx")),
+            ],
         }
     };
 }
 
 pub const KERNELS: &[KernelSource] = &[
     k!(
-        "embedding.cu",
+        "embedding",
         ["embedding_f32", "embedding_f16", "embedding_bf16"]
     ),
-    k!("rmsnorm.cu", ["rmsnorm_f32", "rmsnorm_f16", "rmsnorm_bf16"]),
-    k!("rope.cu", ["rope_f32", "rope_f16", "rope_bf16"]),
+    k!("rmsnorm", ["rmsnorm_f32", "rmsnorm_f16", "rmsnorm_bf16"]),
+    k!("rope", ["rope_f32", "rope_f16", "rope_bf16"]),
     k!(
-        "silu_mul.cu",
+        "silu_mul",
         ["silu_mul_f32", "silu_mul_f16", "silu_mul_bf16"]
     ),
     k!(
-        "residual_add.cu",
+        "residual_add",
         [
             "residual_add_f32",
             "residual_add_f16",
@@ -48,7 +55,7 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "kv_append.cu",
+        "kv_append",
         [
             "kv_append_f32_f32",
             "kv_append_f32_f16",
@@ -58,7 +65,7 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "paged_attention.cu",
+        "paged_attention",
         [
             "paged_attention_decode_f32_f32",
             "paged_attention_decode_f32_f16",
@@ -68,7 +75,7 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "prefill_attention.cu",
+        "prefill_attention",
         [
             "prefill_attention_f32_f32",
             "prefill_attention_f32_f16",
@@ -78,7 +85,7 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "dequant.cu",
+        "dequant",
         [
             "dequant_q4_0_f32",
             "dequant_q4_0_f16",
@@ -92,7 +99,7 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "sampling.cu",
+        "sampling",
         [
             "argmax_f32",
             "argmax_f16",
@@ -103,11 +110,22 @@ pub const KERNELS: &[KernelSource] = &[
         ]
     ),
     k!(
-        "dummy.cu",
+        "gemm",
+        [
+            "gemm_f32_f32",
+            "gemm_f16_f16",
+            "gemm_f16_f32",
+            "gemm_bf16_bf16",
+            "gemm_bf16_f32",
+            "gemm_fp8_bf16"
+        ]
+    ),
+    k!(
+        "dummy",
         ["dummy_fill_f32", "dummy_fill_f16", "dummy_fill_bf16"]
     ),
     k!(
-        "fp8.cu",
+        "fp8",
         [
             "absmax_f32",
             "absmax_f16",

@@ -1,13 +1,16 @@
 //! envelope's CUDA runtime (issue #7): device discovery, runtime-compiled
 //! kernels, GEMMs and the GPU self-test, built and tested without a GPU.
 //!
-//! - [`device`]: [`Device::open`] finds the driver, NVRTC and cuBLAS and the
-//!   GPU, or returns a [`CudaError`] that names what is missing. Never a
-//!   panic: the libraries are probed with our own `dlopen` first
-//!   ([`libs`]) and cudarc calls run under `catch_unwind`.
+//! - [`device`]: [`Device::open`] finds the driver and the GPU, or returns
+//!   a [`CudaError`] that names what is missing. Never a panic: the
+//!   libraries are probed with our own `dlopen` first ([`libs`]) and cudarc
+//!   calls run under `catch_unwind`.
 //! - [`kernels`] and [`compile`]: the `.cu` sources of the repository's
 //!   `kernels/`, embedded, compiled at run time by NVRTC ([`nvrtc`]) for the
-//!   device's compute capability and cached on disk.
+//!   device's compute capability and cached on disk. [`embedded`]: their
+//!   PTX made at development time, for machines with a driver and no CUDA
+//!   toolkit, and the choice between the toolkit's parts (NVRTC, cuBLAS)
+//!   and the built-in ones (embedded PTX, `kernels/gemm.cu`).
 //! - [`geometry`]: launch geometry per kernel, block-table flattening, slot
 //!   mappings, CUDA-graph batch buckets. [`fp8`]: e4m3 scales and the
 //!   compute-capability gate. [`memory`]: KV pool size from free memory and
@@ -29,12 +32,14 @@
 //! newer NVRTC does not load on an older driver.
 //!
 //! [`runtime`] puts it together: an opened device with every kernel loaded,
-//! cuBLAS/cuBLASLt GEMMs and one method per kernel; `envelope-engine`'s
-//! `cuda` module runs the model on it. Not built yet: CUDA graphs, sampling
-//! on the device. Nothing here has run on a GPU yet.
+//! cuBLAS/cuBLASLt GEMMs (or the GEMM kernels) and one method per kernel;
+//! `envelope-engine`'s `cuda` module runs the model on it. Not built yet:
+//! CUDA graphs, top-p sampling on the device. Nothing here has run on a GPU
+//! yet.
 
 pub mod compile;
 pub mod device;
+pub mod embedded;
 pub mod error;
 pub mod fp8;
 pub mod geometry;

@@ -189,6 +189,28 @@ pub fn bias_add(x: &[f32], b: &[f32]) -> Vec<f32> {
         .collect()
 }
 
+/// `gemm.cu`: `y[rows, out] = scale * x[rows, inner] W[out, inner]^T`, plus
+/// `y0` when given (the fused residual add), summed in f64.
+pub fn gemm_tn(
+    x: &[f32],
+    w: &[f32],
+    y0: Option<&[f32]>,
+    (rows, inner, out): (usize, usize, usize),
+    scale: f32,
+) -> Vec<f32> {
+    let mut y = vec![0f32; rows * out];
+    for r in 0..rows {
+        let xr = &x[r * inner..(r + 1) * inner];
+        for c in 0..out {
+            let wc = &w[c * inner..(c + 1) * inner];
+            let dot: f64 = xr.iter().zip(wc).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let base = y0.map_or(0.0, |y0| y0[r * out + c]);
+            y[r * out + c] = (dot * scale as f64) as f32 + base;
+        }
+    }
+    y
+}
+
 fn f16_at(b: &[u8]) -> f32 {
     half::f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
@@ -505,5 +527,21 @@ mod tests {
         let kept: f32 = r.weights.iter().filter(|&&e| e >= r.threshold).sum();
         assert!(kept >= 0.9 * z * 0.9999);
         assert!(r.weights[r.token as usize] >= r.threshold);
+    }
+
+    #[test]
+    fn gemm_tn_is_x_times_w_transposed() {
+        // x = [[1, 2], [3, 4]], W = [[1, 0], [0, 1], [1, 1]] -> y = x W^T.
+        let x = [1.0, 2.0, 3.0, 4.0];
+        let w = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0];
+        assert_eq!(
+            gemm_tn(&x, &w, None, (2, 2, 3), 1.0),
+            vec![1.0, 2.0, 3.0, 3.0, 4.0, 7.0]
+        );
+        let y0 = [10.0; 6];
+        assert_eq!(
+            gemm_tn(&x, &w, Some(&y0), (2, 2, 3), 0.5),
+            vec![10.5, 11.0, 11.5, 11.5, 12.0, 13.5]
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! The GPU runtime the CUDA backend runs on: an opened device with every
-//! kernel of `kernels/` compiled and loaded, cuBLAS and cuBLASLt handles on
-//! one stream, untyped device buffers tagged with their element type, and
-//! one typed method per kernel (launch geometry from [`crate::geometry`]).
+//! kernel of `kernels/` loaded (NVRTC or embedded PTX, see
+//! [`crate::embedded`]), cuBLAS and cuBLASLt handles on one stream when
+//! cuBLAS is installed, untyped device buffers tagged with their element
+//! type, and one typed method per kernel (launch geometry from
+//! [`crate::geometry`]).
 //!
 //! GEMMs: `y[m, n] = x[m, k] W[n, k]^T` with both operands row-major, the
 //! layout of every weight. cuBLAS is column-major, so the call computes
@@ -11,12 +13,17 @@
 //! accumulation (tensor cores); f32 runs with `CUBLAS_COMPUTE_32F` (no TF32,
 //! so the f32 path can be compared tightly with the CPU); fp8 e4m3 runs
 //! `cublasLtMatmul` with per-tensor scales on compute capability 8.9+.
+//! Without cuBLAS (a machine with only the driver, or `ENVELOPE_GEMM=kernels`)
+//! the same products run on `kernels/gemm.cu`: tensor-core `mma.sync` for
+//! 16-bit and fp8 operands, f32 FMA for f32, the residual add in the
+//! epilogue.
 
-use crate::compile::Compiler;
 use crate::device::Device;
+use crate::embedded::{decide, GemmChoice, PtxSource};
 use crate::error::{guarded, CudaError, Result};
 use crate::geometry::{self, Launch};
 use crate::kernels::KERNELS;
+use crate::libs::{probe, CudaLib};
 use cudarc::cublas::sys as blas_sys;
 use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, PushKernelArg};
@@ -343,10 +350,17 @@ fn keep_freed_memory_in_the_pool(device: &Device) {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RuntimeInfo {
     pub arch: String,
+    /// Where the kernels came from: `nvrtc 13.0 (<path>)` or
+    /// `embedded compute_90 (NVRTC 13.0)` ([`crate::embedded`]).
+    pub kernels: String,
     pub nvrtc_version: String,
     pub kernels_compiled: usize,
     pub kernels_from_cache: usize,
     pub compile_seconds: f64,
+    /// `cublas` or `kernels` (`kernels/gemm.cu`).
+    pub gemm: &'static str,
+    /// Why `auto` took a built-in part instead of the toolkit's.
+    pub fallbacks: Vec<String>,
     pub fp8: bool,
 }
 
@@ -355,30 +369,27 @@ pub struct Gpu {
     pub device: Device,
     pub stream: Arc<CudaStream>,
     funcs: HashMap<String, CudaFunction>,
-    blas: cudarc::cublas::CudaBlas,
+    /// `None`: GEMMs run on `kernels/gemm.cu`.
+    blas: Option<cudarc::cublas::CudaBlas>,
     lt: Option<Mutex<Lt>>,
     pub info: RuntimeInfo,
 }
 
 impl Gpu {
-    /// Opens device `ordinal`, compiles (or takes from the cache) every
-    /// kernel for its architecture and creates the BLAS handles.
+    /// Opens device `ordinal`, loads every kernel (compiled by NVRTC for its
+    /// architecture, from the disk cache, or embedded: see
+    /// [`crate::embedded`]) and creates the cuBLAS handles when cuBLAS is
+    /// there. Needs nothing but the driver.
     ///
     /// # Errors
-    /// Whatever is missing (driver, GPU, NVRTC, headers, cuBLAS), or a
-    /// kernel that does not compile, as a [`CudaError`].
+    /// A missing driver or GPU, a setting forcing a part that is missing
+    /// (`ENVELOPE_KERNELS=nvrtc`, `ENVELOPE_GEMM=cublas`), a kernel that does
+    /// not compile or load, as a [`CudaError`].
     pub fn open(ordinal: usize) -> Result<Gpu> {
-        let device = Device::open(ordinal)?;
-        let compiler = Compiler::new()?;
-        if let Some(w) = crate::selftest::version_warning(
-            compiler.nvrtc_version(),
-            &device.info.driver_cuda_version,
-        ) {
-            return Err(CudaError::Driver {
-                call: "cuModuleLoadData",
-                message: w,
-            });
-        }
+        let mut device = Device::open(ordinal)?;
+        let cc = device.info.compute_capability;
+        let (source, kernel_note) = PtxSource::choose(cc, &device.info.driver_cuda_version)?;
+        let gemm = GemmChoice::from_env()?;
         // One stream only: cudarc's per-allocation events buy nothing.
         // SAFETY: every buffer is used on the default stream alone.
         unsafe { device.ctx.disable_event_tracking() };
@@ -388,7 +399,7 @@ impl Gpu {
         let mut funcs = HashMap::new();
         let mut cached = 0;
         for k in KERNELS {
-            let c = compiler.compile(k, &arch)?;
+            let c = source.ptx(k, cc, &arch)?;
             cached += c.from_cache as usize;
             let module = guarded("cuModuleLoadData", || {
                 device.ctx.load_module(cudarc::nvrtc::Ptx::from_src(c.ptx))
@@ -403,12 +414,22 @@ impl Gpu {
         }
         let compile_seconds = t.elapsed().as_secs_f64();
         let stream = device.ctx.default_stream();
-        let blas = guarded("cublasCreate", || {
-            cudarc::cublas::CudaBlas::new(stream.clone())
-        })?
-        .map_err(blas_err("cublasCreate"))?;
-        let fp8 = crate::fp8::fp8_supported(device.info.compute_capability);
-        let lt = if fp8 {
+        let (blas, gemm_note) = decide(
+            gemm == GemmChoice::Auto,
+            gemm != GemmChoice::Kernels,
+            || {
+                probe(CudaLib::CublasLt)?;
+                let path = probe(CudaLib::Cublas)?;
+                let blas = guarded("cublasCreate", || {
+                    cudarc::cublas::CudaBlas::new(stream.clone())
+                })?
+                .map_err(blas_err("cublasCreate"))?;
+                Ok((blas, path))
+            },
+        )?;
+        let (blas, cublas_path) = blas.unzip();
+        let fp8 = crate::fp8::fp8_supported(cc);
+        let lt = if fp8 && blas.is_some() {
             let handle = guarded("cublasLtCreate", cudarc::cublaslt::result::create_handle)?
                 .map_err(lt_err("cublasLtCreate"))?;
             let workspace = stream
@@ -422,14 +443,25 @@ impl Gpu {
         } else {
             None
         };
-        let (ma, mi) = compiler.nvrtc_version();
+        if let PtxSource::Nvrtc(c) = &source {
+            device.info.libraries.nvrtc = Some(c.nvrtc.path.clone());
+        }
+        device.info.libraries.cublas = cublas_path;
+        let (ma, mi) = source.nvrtc_version();
+        let fallbacks = [
+            kernel_note,
+            gemm_note.map(|w| format!("{w}; GEMMs run on kernels/gemm.cu")),
+        ];
         Ok(Gpu {
             info: RuntimeInfo {
                 arch,
+                kernels: source.describe(),
                 nvrtc_version: format!("{ma}.{mi}"),
                 kernels_compiled: KERNELS.len(),
                 kernels_from_cache: cached,
                 compile_seconds,
+                gemm: if blas.is_some() { "cublas" } else { "kernels" },
+                fallbacks: fallbacks.into_iter().flatten().collect(),
                 fp8,
             },
             device,
@@ -885,6 +917,10 @@ impl Gpu {
         Self::need("gemm", x, rows * inner)?;
         Self::need("gemm", w, out * inner)?;
         Self::need("gemm", y, rows * out)?;
+        let Some(blas) = &self.blas else {
+            let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
+            return self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None);
+        };
         self.bind()?;
         let d = linear_gemm(rows, inner, out);
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
@@ -902,7 +938,7 @@ impl Gpu {
         // descriptor is linear_gemm's, tested against a reference GEMM.
         unsafe {
             cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
+                *blas.handle(),
                 op(d.trans_a),
                 op(d.trans_b),
                 d.m as i32,
@@ -938,19 +974,13 @@ impl Gpu {
         out: usize,
     ) -> Result<()> {
         use cudarc::cublaslt::result as r;
-        let lt = self.lt.as_ref().ok_or_else(|| {
-            shape(
+        if !self.info.fp8 {
+            return Err(shape(
                 "gemm_fp8",
                 format!(
                     "fp8 GEMMs need compute capability 8.9 or newer; this device has {}.{}",
                     self.device.info.compute_capability.0, self.device.info.compute_capability.1
                 ),
-            )
-        })?;
-        if !inner.is_multiple_of(16) || !out.is_multiple_of(16) {
-            return Err(shape(
-                "gemm_fp8",
-                format!("cuBLASLt fp8 needs inner ({inner}) and out ({out}) multiples of 16"),
             ));
         }
         if y.dtype != DType::Bf16 || x.data.dtype != DType::Fp8 || w.data.dtype != DType::Fp8 {
@@ -960,6 +990,23 @@ impl Gpu {
                     "fp8 x fp8 -> bf16 only, got {:?} x {:?} -> {:?}",
                     x.data.dtype, w.data.dtype, y.dtype
                 ),
+            ));
+        }
+        let Some(lt) = self.lt.as_ref() else {
+            return self.gemm_kernel(
+                "gemm_fp8_bf16",
+                &x.data,
+                &w.data,
+                y,
+                (rows, inner, out),
+                false,
+                Some((&x.scale, &w.scale)),
+            );
+        };
+        if !inner.is_multiple_of(16) || !out.is_multiple_of(16) {
+            return Err(shape(
+                "gemm_fp8",
+                format!("cuBLASLt fp8 needs inner ({inner}) and out ({out}) multiples of 16"),
             ));
         }
         Self::need("gemm_fp8", &x.data, rows * inner)?;
@@ -1068,6 +1115,40 @@ impl Gpu {
             )
             .map_err(lt_err("cublasLtMatmul"))
         }
+    }
+
+    /// The GEMM on `kernels/gemm.cu` (no cuBLAS): `entry` is
+    /// `gemm_<x dtype>_<y dtype>`; `scales` the fp8 per-tensor scales of x
+    /// and W.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_kernel(
+        &self,
+        entry: &str,
+        x: &Buf,
+        w: &Buf,
+        y: &Buf,
+        (rows, inner, out): (usize, usize, usize),
+        accumulate: bool,
+        scales: Option<(&F32Slice, &F32Slice)>,
+    ) -> Result<()> {
+        let dims = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| shape("gemm", format!("{what} = {v} exceeds i32")))
+        };
+        let l = geometry::gemm(rows, out, x.dtype == DType::F32)?;
+        let mut args = vec![
+            Arg::Buf(x),
+            Arg::Buf(w),
+            Arg::Buf(y),
+            Arg::I32(dims(rows, "rows")?),
+            Arg::I32(dims(inner, "inner")?),
+            Arg::I32(dims(out, "out")?),
+            Arg::I32(accumulate as i32),
+        ];
+        if let Some((sx, sw)) = scales {
+            args.push(Arg::F32s(sx));
+            args.push(Arg::F32s(sw));
+        }
+        self.launch(entry, l, &args)
     }
 
     /// Greedy token of each row of `[rows, vocab]` logits.

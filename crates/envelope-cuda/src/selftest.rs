@@ -1,16 +1,16 @@
 //! The GPU self-test behind `envelope cuda-selftest` (and
 //! `scripts/device-check.sh`): open the device, compile every kernel with
-//! the machine's NVRTC, run each kernel on seeded random inputs and compare
+//! the machine's NVRTC (or take the embedded PTX: [`crate::embedded`]), run
+//! each kernel, the GEMM kernels included, on seeded random inputs and compare
 //! it with [`crate::reference`], and write `selftest.json`. It has never run
 //! on a GPU at the time of writing (no GPU was lent); the CPU side of it (the
 //! references, the comparison, the dtype rounding) is unit-tested here.
 
-use crate::compile::{include_dir, Compiler};
 use crate::device::{Device, DeviceInfo};
+use crate::embedded::PtxSource;
 use crate::error::{guarded, CudaError, Result};
 use crate::geometry::{self, Launch};
 use crate::kernels::KERNELS;
-use crate::nvrtc::Nvrtc;
 use crate::reference as r;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, PushKernelArg};
 use half::{bf16, f16};
@@ -212,9 +212,12 @@ pub struct CompileResult {
 pub struct Report {
     pub device: Option<DeviceInfo>,
     pub device_error: Option<String>,
+    /// Where the kernels came from (NVRTC or the embedded PTX).
+    pub kernels: Option<String>,
+    /// Why no kernel could load.
+    pub kernels_error: Option<String>,
     pub nvrtc: Option<String>,
     pub nvrtc_version: Option<String>,
-    pub nvrtc_error: Option<String>,
     pub include_dir: Option<String>,
     pub arch: Option<String>,
     pub cublas: Option<String>,
@@ -230,7 +233,7 @@ pub struct Report {
 impl Report {
     pub fn ok(&self) -> bool {
         self.device.is_some()
-            && self.nvrtc_error.is_none()
+            && self.kernels_error.is_none()
             && self.failed == 0
             && self.passed > 0
             && self.compile.iter().all(|c| c.error.is_none())
@@ -455,6 +458,109 @@ fn model_support_cases(cx: &mut Cx) {
         })();
         cx.check("bias add 6x320", &entry, dt, got, &want, None);
     }
+}
+
+/// `gemm.cu` (the GEMMs of a machine without cuBLAS): every dtype pair on
+/// shapes that cover a decode row, partial tiles, an inner size that is not
+/// a multiple of 8 (the scalar load path) and the fused residual add.
+fn gemm_cases(cx: &mut Cx) {
+    let shapes: [(usize, usize, usize, bool); 4] = [
+        (1, 64, 96, false),
+        (70, 200, 130, false),
+        (37, 100, 45, false),
+        (128, 512, 256, true),
+    ];
+    for (rows, inner, out, acc) in shapes {
+        let dims = (rows, inner, out);
+        let name = format!("gemm {rows}x{inner}x{out}{}", if acc { " +y" } else { "" });
+        for (dt, odt) in [
+            (Dt::F32, Dt::F32),
+            (Dt::F16, Dt::F16),
+            (Dt::F16, Dt::F32),
+            (Dt::Bf16, Dt::Bf16),
+            (Dt::Bf16, Dt::F32),
+        ] {
+            let x = round(dt, &cx.rng.vec(rows * inner, 0.5));
+            let w = round(dt, &cx.rng.vec(out * inner, 0.5));
+            let y0 = round(odt, &cx.rng.vec(rows * out, 1.0));
+            let want = round(odt, &r::gemm_tn(&x, &w, acc.then_some(&y0[..]), dims, 1.0));
+            let entry = format!("gemm_{}_{}", dt.suffix(), odt.suffix());
+            let got = (|| {
+                let (xb, wb, yb) = (
+                    cx.gpu.upf(dt, &x)?,
+                    cx.gpu.upf(dt, &w)?,
+                    cx.gpu.upf(odt, &y0)?,
+                );
+                gemm_launch(cx.gpu, &entry, [&xb, &wb, &yb], dims, acc, None)?;
+                Ok(cx.gpu.downf(odt, &yb)?[..rows * out].to_vec())
+            })();
+            cx.check(&name, &entry, odt, got, &want, None);
+        }
+        // fp8: random e4m3 codes (no NaN) and per-tensor scales.
+        let mut code = || loop {
+            let b = cx.rng.below(256) as u8;
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        };
+        let qx: Vec<u8> = (0..rows * inner).map(|_| code()).collect();
+        let qw: Vec<u8> = (0..out * inner).map(|_| code()).collect();
+        let (sx, sw) = (0.0123f32, 0.00456f32);
+        let dec = |q: &[u8]| q.iter().map(|&b| crate::fp8::decode(b)).collect::<Vec<_>>();
+        let want = round(
+            Dt::Bf16,
+            &r::gemm_tn(&dec(&qx), &dec(&qw), None, dims, sx * sw),
+        );
+        let got = (|| {
+            let (xb, wb, yb) = (
+                cx.gpu.up(&qx)?,
+                cx.gpu.up(&qw)?,
+                cx.gpu.zeros(rows * out * 2)?,
+            );
+            let (sxb, swb) = (cx.gpu.upf(Dt::F32, &[sx])?, cx.gpu.upf(Dt::F32, &[sw])?);
+            gemm_launch(
+                cx.gpu,
+                "gemm_fp8_bf16",
+                [&xb, &wb, &yb],
+                dims,
+                false,
+                Some([&sxb, &swb]),
+            )?;
+            Ok(cx.gpu.downf(Dt::Bf16, &yb)?[..rows * out].to_vec())
+        })();
+        cx.check(
+            &name,
+            "gemm_fp8_bf16",
+            Dt::Bf16,
+            got,
+            &want,
+            Some("e4m3 x e4m3, scales 0.0123 and 0.00456".into()),
+        );
+    }
+}
+
+fn gemm_launch(
+    gpu: &Gpu,
+    entry: &str,
+    [x, w, y]: [&CudaSlice<u8>; 3],
+    (rows, inner, out): (usize, usize, usize),
+    acc: bool,
+    scales: Option<[&CudaSlice<u8>; 2]>,
+) -> Result<()> {
+    let mut args = vec![
+        Arg::Buf(x),
+        Arg::Buf(w),
+        Arg::Buf(y),
+        Arg::I32(rows as i32),
+        Arg::I32(inner as i32),
+        Arg::I32(out as i32),
+        Arg::I32(acc as i32),
+    ];
+    if let Some([sx, sw]) = scales {
+        args.extend([Arg::Buf(sx), Arg::Buf(sw)]);
+    }
+    let f32 = entry == "gemm_f32_f32";
+    gpu.launch("gemm.cu", entry, geometry::gemm(rows, out, f32)?, &args)
 }
 
 fn elementwise_cases(cx: &mut Cx) {
@@ -939,7 +1045,7 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
         extra,
         ..Report::default()
     };
-    let device = match Device::open_driver(ordinal) {
+    let device = match Device::open(ordinal) {
         Ok(d) => d,
         Err(e) => {
             rep.device_error = Some(e.to_string());
@@ -950,8 +1056,11 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
     rep.device = Some(device.info.clone());
     let arch = device.arch();
     rep.arch = Some(arch.clone());
-    rep.cublas = Some(
-        match crate::libs::probe(crate::libs::CudaLib::CublasLt)
+    rep.cublas = Some(match crate::embedded::GemmChoice::from_env() {
+        Ok(crate::embedded::GemmChoice::Kernels) => {
+            "not opened (ENVELOPE_GEMM=kernels: GEMMs on kernels/gemm.cu)".into()
+        }
+        _ => match crate::libs::probe(crate::libs::CudaLib::CublasLt)
             .and_then(|_| crate::libs::probe(crate::libs::CudaLib::Cublas))
             .and_then(|p| {
                 guarded("cublasCreate", || {
@@ -964,34 +1073,33 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
                 })
             }) {
             Ok(p) => format!("ok: handle created ({p})"),
-            Err(e) => format!("unavailable: {e}"),
+            Err(e) => format!("unavailable: {e} (GEMMs would run on kernels/gemm.cu)"),
         },
-    );
-    let compiler = Nvrtc::load().and_then(|n| {
-        rep.nvrtc = Some(n.path.clone());
-        Compiler::with(n, include_dir()?, crate::compile::cache_dir())
     });
-    let compiler = match compiler {
-        Ok(c) => c,
+    let cc = device.info.compute_capability;
+    let source = match PtxSource::choose(cc, &device.info.driver_cuda_version) {
+        Ok((source, why)) => {
+            rep.warnings.extend(why);
+            source
+        }
         Err(e) => {
-            rep.nvrtc_error = Some(format!(
-                "{e} (this machine cannot compile the kernels, so none ran)"
-            ));
+            rep.kernels_error = Some(format!("{e} (no kernel can load, so none ran)"));
             write(out_dir, &rep);
             return rep;
         }
     };
-    let (ma, mi) = compiler.nvrtc_version();
+    rep.kernels = Some(source.describe());
+    let (ma, mi) = source.nvrtc_version();
     rep.nvrtc_version = Some(format!("{ma}.{mi}"));
-    if let Some(w) = version_warning((ma, mi), &device.info.driver_cuda_version) {
-        rep.warnings.push(w);
+    if let PtxSource::Nvrtc(c) = &source {
+        rep.nvrtc = Some(c.nvrtc.path.clone());
+        rep.include_dir = Some(c.include.display().to_string());
     }
-    rep.include_dir = Some(compiler.include.display().to_string());
     let stream = device.ctx.default_stream();
     let mut modules = HashMap::new();
     for k in KERNELS {
         let t = std::time::Instant::now();
-        let res = compiler.compile(k, &arch).and_then(|c| {
+        let res = source.ptx(k, cc, &arch).and_then(|c| {
             let m = guarded("cuModuleLoadData", || {
                 device
                     .ctx
@@ -1016,8 +1124,9 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
         out: Vec::new(),
     };
     type CaseFn = fn(&mut Cx);
-    let groups: [(&str, CaseFn); 4] = [
+    let groups: [(&str, CaseFn); 5] = [
         ("elementwise", elementwise_cases),
+        ("gemm", gemm_cases),
         ("model support", model_support_cases),
         ("attention", attention_cases),
         ("sampling", sampling_cases),
@@ -1045,20 +1154,7 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
     rep
 }
 
-/// PTX from an NVRTC newer than the driver does not load
-/// (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so before the module loads fail.
-pub fn version_warning(nvrtc: (i32, i32), driver_cuda: &str) -> Option<String> {
-    let mut it = driver_cuda
-        .split('.')
-        .map(|p| p.parse::<i32>().unwrap_or(0));
-    let driver = (it.next().unwrap_or(0), it.next().unwrap_or(0));
-    (nvrtc > driver).then(|| {
-        format!(
-            "NVRTC {}.{} is newer than the driver's CUDA {driver_cuda}: its PTX may not load; put an NVRTC <= {driver_cuda} first (ENVELOPE_NVRTC_LIB)",
-            nvrtc.0, nvrtc.1
-        )
-    })
-}
+pub use crate::embedded::version_warning;
 
 fn write(out_dir: &Path, rep: &Report) {
     let _ = std::fs::create_dir_all(out_dir);

@@ -1,6 +1,8 @@
 //! The CI check that needs no GPU: every kernel in `kernels/` compiles to
-//! PTX for compute_80 (A100) and compute_90 (H100/H200) through NVRTC, and
-//! the PTX exports every entry point the crate expects.
+//! PTX for compute_80 (A100) and compute_90 (H100/H200) through NVRTC, the
+//! PTX exports every entry point the crate expects, and it equals the PTX
+//! embedded in the binary (`kernels/ptx/`, made by `scripts/gen-ptx.sh` with
+//! the same pinned NVRTC) byte for byte.
 //!
 //! `scripts/test.sh` installs NVRTC and the CUDA headers from PyPI
 //! (`scripts/nvrtc-setup.sh`) and sets `ENVELOPE_NVRTC_LIB` and
@@ -28,11 +30,18 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
     let (ma, mi) = compiler.nvrtc_version();
     eprintln!("NVRTC {ma}.{mi} from {}", compiler.nvrtc.path);
     let mut failures = Vec::new();
-    for arch in ["compute_80", "compute_90"] {
+    let same_nvrtc = (ma, mi) == envelope_cuda::embedded::NVRTC;
+    for (ai, arch) in envelope_cuda::embedded::ARCHS.iter().enumerate() {
         for k in KERNELS {
             let t = std::time::Instant::now();
             match compiler.compile(k, arch) {
                 Ok(c) => {
+                    if same_nvrtc && c.ptx != k.ptx[ai] {
+                        failures.push(format!(
+                            "{} ({arch}): kernels/ptx/ differs from NVRTC's output: run scripts/gen-ptx.sh",
+                            k.file
+                        ));
+                    }
                     for e in k.entries {
                         if !c.ptx.contains(&format!(".entry {e}(")) {
                             failures.push(format!(
@@ -52,6 +61,9 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
                 Err(e) => failures.push(e.to_string()),
             }
         }
+    }
+    if !same_nvrtc {
+        eprintln!("NVRTC {ma}.{mi} is not the pinned one: the embedded PTX was not compared");
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

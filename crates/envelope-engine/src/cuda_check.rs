@@ -98,6 +98,9 @@ pub struct ModelCheck {
     pub passed: bool,
     pub cpu_seconds: f64,
     pub gpu_seconds: f64,
+    /// How the GPU side ran: kernel source (NVRTC or embedded PTX), GEMM
+    /// path (cuBLAS or kernels), fallbacks.
+    pub runtime: Option<envelope_cuda::runtime::RuntimeInfo>,
     pub error: Option<String>,
 }
 
@@ -162,9 +165,12 @@ pub fn model_check(
         passed: false,
         cpu_seconds: 0.0,
         gpu_seconds: 0.0,
+        runtime: None,
         error: None,
     };
     let res = (|| -> crate::Result<()> {
+        // No device: say so before spending the CPU side's time.
+        drop(envelope_cuda::Device::open(ordinal)?);
         let opts = LoadOptions {
             precision,
             tokenizer: None,
@@ -189,6 +195,7 @@ pub fn model_check(
 
         let t = Instant::now();
         let mut gpu = load_cuda(spec, &opts, ordinal)?;
+        r.runtime = Some(gpu.model.gpu.info.clone());
         let cfg = engine_config(kv_dtype, kv_bytes);
         gpu.model.allocate_kv(&cfg)?;
         let blocks: Vec<u32> = (0..prompt_len.div_ceil(16) as u32).collect();
@@ -247,6 +254,7 @@ pub struct BenchRun {
     /// Device memory the load took (free before - free after, from the caller).
     pub device_bytes_used_by_load: Option<u64>,
     pub load_seconds: f64,
+    pub runtime: Option<envelope_cuda::runtime::RuntimeInfo>,
     pub points: Vec<BenchPoint>,
     pub error: Option<String>,
 }
@@ -292,6 +300,7 @@ pub fn bench(
         weight_bytes_analytic: 0,
         device_bytes_used_by_load: None,
         load_seconds: 0.0,
+        runtime: None,
         points: vec![],
         error: None,
     };
@@ -308,6 +317,7 @@ pub fn bench(
         )?
         .model;
         run.load_seconds = t.elapsed().as_secs_f64();
+        run.runtime = Some(m.gpu.info.clone());
         run.device_bytes_used_by_load = device_used().zip(before).map(|(a, b)| a.saturating_sub(b));
         run.weight_bytes = m.report.total_bytes;
         run.weight_bytes_analytic = analytic_weight_bytes(&m.config, precision);

@@ -304,6 +304,17 @@ impl Engine {
             }
             Placement::Cuda { ordinal } => {
                 let loaded = crate::load::load_cuda(spec, opts, ordinal)?;
+                let rt = &loaded.model.gpu.info;
+                tracing::info!(
+                    "cuda:{ordinal}: {} ({}), kernels: {}, GEMMs: {}",
+                    loaded.model.gpu.device.info.name,
+                    rt.arch,
+                    rt.kernels,
+                    rt.gemm
+                );
+                for why in &rt.fallbacks {
+                    tracing::info!("cuda:{ordinal}: {why}");
+                }
                 let engine =
                     Engine::new_cuda(loaded.model, Arc::new(loaded.tokenizer), loaded.info, cfg)?;
                 Ok((engine, Arc::new(loaded.chat_template)))
