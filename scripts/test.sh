@@ -27,5 +27,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 cargo build --release --locked
+# scripts/device-check.sh carries this binary to a GPU machine (limit 50 MiB).
+size=$(stat -c %s target/release/envelope)
+echo "== release binary: $size bytes"
+if [ "$size" -ge $((50 << 20)) ]; then
+  echo "target/release/envelope is over 50 MiB: too large to carry to a GPU machine" >&2
+  exit 1
+fi
 ENVELOPE_BIN=target/release/envelope ENVELOPE_TEST_MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf \
   .venv/bin/python -m pytest -q tests/python
