@@ -1,12 +1,13 @@
 // Token selection on the device, one block of SAMPLE_THREADS per row of
 // logits [rows, vocab].
 //   argmax: the largest logit, the lowest index on a tie (as the CPU engine).
-//   top_p_sample: softmax(logits / temperature), keep the smallest-by-value
-//   set whose mass reaches top_p by bisecting a probability threshold (32
-//   steps, no sort), then pick where u * kept_mass falls in the kept
-//   tokens' cumulative sum in index order. u (uniform[row] in [0, 1)) comes
-//   from the host's seeded generator. envelope_cuda::reference::top_p_sample
-//   is the same algorithm on the CPU.
+//   sample: per row, params[3 row ..] = (temperature, top_p, u). A
+//   temperature <= 0 is argmax. Otherwise softmax(logits / temperature),
+//   keep the smallest-by-value set whose mass reaches top_p by bisecting a
+//   probability threshold (32 steps, no sort; none when top_p >= 1), then pick where u * kept_mass
+//   falls in the kept tokens' cumulative sum in index order. u in [0, 1)
+//   comes from the sequence's seeded generator on the host.
+//   envelope_cuda::reference::top_p_sample is the same algorithm on the CPU.
 #include "common.cuh"
 
 #define SAMPLE_THREADS 256
@@ -53,7 +54,7 @@ __device__ void argmax(const T* logits, u32* out, int vocab) {
 
 template <typename T>
 __device__ void top_p_sample(const T* logits, u32* out, int vocab, float temperature, float top_p,
-                             const float* uniform) {
+                             float u) {
   __shared__ float s_chunk[SAMPLE_THREADS];
   const T* row = logits + (size_t)blockIdx.x * vocab;
   float mx = -INFINITY;
@@ -64,10 +65,11 @@ __device__ void top_p_sample(const T* logits, u32* out, int vocab, float tempera
   for (int i = threadIdx.x; i < vocab; i += blockDim.x) z += expf((to_f32(row[i]) - mx) * inv_t);
   z = block_sum(z);
   // Bisect tau in [0, 1] (weights e_i in (0, 1], the largest is 1):
-  // invariant S(lo) = sum of e_i >= lo is at least top_p * z.
+  // invariant S(lo) = sum of e_i >= lo is at least top_p * z. top_p >= 1
+  // keeps every token (tau = 0) without the passes.
   float lo = 0.0f, hi = 1.0f;
   const float need = top_p * z;
-  for (int step = 0; step < TOPP_STEPS; step++) {
+  for (int step = 0; step < TOPP_STEPS && top_p < 1.0f; step++) {
     const float mid = 0.5f * (lo + hi);
     float s = 0.0f;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -97,7 +99,7 @@ __device__ void top_p_sample(const T* logits, u32* out, int vocab, float tempera
       kept += s_chunk[t];
       if (s_last[t] >= 0) last = s_last[t];
     }
-    const float target = uniform[blockIdx.x] * kept;
+    const float target = u * kept;
     float cum = 0.0f;
     int pick = -1;
     for (int t = 0; t < (int)blockDim.x && pick < 0; t++) {
@@ -117,6 +119,17 @@ __device__ void top_p_sample(const T* logits, u32* out, int vocab, float tempera
 extern "C" __global__ void argmax_f32(const float* x, u32* o, int v) { argmax(x, o, v); }
 extern "C" __global__ void argmax_f16(const __half* x, u32* o, int v) { argmax(x, o, v); }
 extern "C" __global__ void argmax_bf16(const __nv_bfloat16* x, u32* o, int v) { argmax(x, o, v); }
-extern "C" __global__ void top_p_sample_f32(const float* x, u32* o, int v, float t, float p, const float* u) { top_p_sample(x, o, v, t, p, u); }
-extern "C" __global__ void top_p_sample_f16(const __half* x, u32* o, int v, float t, float p, const float* u) { top_p_sample(x, o, v, t, p, u); }
-extern "C" __global__ void top_p_sample_bf16(const __nv_bfloat16* x, u32* o, int v, float t, float p, const float* u) { top_p_sample(x, o, v, t, p, u); }
+// The branch is uniform over the block (one row), so the barriers inside
+// either function are reached by every thread.
+template <typename T>
+__device__ void sample(const T* logits, u32* out, int vocab, const float* params) {
+  const float* p = params + 3 * blockIdx.x;
+  if (p[0] <= 0.0f)
+    argmax(logits, out, vocab);
+  else
+    top_p_sample(logits, out, vocab, p[0], p[1], p[2]);
+}
+
+extern "C" __global__ void sample_f32(const float* x, u32* o, int v, const float* p) { sample(x, o, v, p); }
+extern "C" __global__ void sample_f16(const __half* x, u32* o, int v, const float* p) { sample(x, o, v, p); }
+extern "C" __global__ void sample_bf16(const __nv_bfloat16* x, u32* o, int v, const float* p) { sample(x, o, v, p); }

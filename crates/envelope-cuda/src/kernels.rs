@@ -104,9 +104,9 @@ pub const KERNELS: &[KernelSource] = &[
             "argmax_f32",
             "argmax_f16",
             "argmax_bf16",
-            "top_p_sample_f32",
-            "top_p_sample_f16",
-            "top_p_sample_bf16"
+            "sample_f32",
+            "sample_f16",
+            "sample_bf16"
         ]
     ),
     k!(

@@ -34,8 +34,7 @@
 //! [`runtime`] puts it together: an opened device with every kernel loaded,
 //! cuBLAS/cuBLASLt GEMMs (or the GEMM kernels) and one method per kernel;
 //! `envelope-engine`'s `cuda` module runs the model on it. Not built yet:
-//! CUDA graphs, top-p sampling on the device. Nothing here has run on a GPU
-//! yet.
+//! CUDA graphs. Nothing here has run on a GPU yet.
 
 pub mod compile;
 pub mod device;

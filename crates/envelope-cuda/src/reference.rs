@@ -286,7 +286,7 @@ pub struct TopP {
 }
 
 /// `kernels/sampling.cu`'s top-p on the CPU: bisect the weight threshold
-/// (32 steps) so the kept mass reaches `top_p`, then walk the kept tokens in
+/// (32 steps; none when `top_p >= 1`) so the kept mass reaches `top_p`, then walk the kept tokens in
 /// index order (chunked as the kernel's threads are) to `u * kept_mass`.
 pub fn top_p_sample(logits: &[f32], temperature: f32, top_p: f32, u: f32) -> TopP {
     let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -296,7 +296,9 @@ pub fn top_p_sample(logits: &[f32], temperature: f32, top_p: f32, u: f32) -> Top
     let z: f32 = w.iter().sum();
     let need = top_p * z;
     let (mut lo, mut hi) = (0f32, 1f32);
-    for _ in 0..32 {
+    // top_p >= 1 keeps every token: no bisection (as the kernel).
+    let steps = if top_p < 1.0 { 32 } else { 0 };
+    for _ in 0..steps {
         let mid = 0.5 * (lo + hi);
         let s: f32 = w.iter().filter(|&&e| e >= mid).sum();
         if s >= need {

@@ -1151,13 +1151,35 @@ impl Gpu {
         self.launch(entry, l, &args)
     }
 
-    /// Greedy token of each row of `[rows, vocab]` logits.
-    pub fn argmax(&self, logits: &Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+    /// One token per row of `[rows, vocab]` logits, picked per row by
+    /// `params[3 row ..] = (temperature, top_p, u)`: greedy (the lowest
+    /// index on a tie) when temperature <= 0, else top-p at the uniform u
+    /// (`kernels/sampling.cu`).
+    pub fn sample(
+        &self,
+        logits: &Buf,
+        rows: usize,
+        vocab: usize,
+        params: &[f32],
+    ) -> Result<Vec<u32>> {
+        if params.len() != rows * 3 {
+            return Err(shape(
+                "sample",
+                format!("{} parameters for {rows} rows (3 per row)", params.len()),
+            ));
+        }
+        Self::need("sample", logits, rows * vocab)?;
+        let p = self.upload_f32(DType::F32, params)?;
         let out = self.zeros(DType::U32, rows)?;
         self.launch(
-            &format!("argmax_{}", logits.dtype.suffix()),
+            &format!("sample_{}", logits.dtype.suffix()),
             geometry::sampling(rows)?,
-            &[Arg::Buf(logits), Arg::Buf(&out), Arg::I32(vocab as i32)],
+            &[
+                Arg::Buf(logits),
+                Arg::Buf(&out),
+                Arg::I32(vocab as i32),
+                Arg::Buf(&p),
+            ],
         )?;
         let b = self.download_bytes(&out)?;
         Ok(b.chunks_exact(4)

@@ -964,30 +964,38 @@ fn sampling_cases(cx: &mut Cx) {
         None,
     );
 
-    let (temp, top_p) = (0.8f32, 0.9f32);
-    let u: Vec<f32> = (0..rows).map(|_| cx.rng.unit()).collect();
-    let refs: Vec<r::TopP> = logits
+    // `sample`: per-row (temperature, top_p, u); row 0 greedy (with the
+    // tie above), the others top-p at different settings.
+    let settings = [(0.0f32, 1.0f32), (0.8, 0.9), (1.3, 0.5), (0.6, 1.0)];
+    let mut params = Vec::with_capacity(rows * 3);
+    for &(t, p) in &settings {
+        params.extend([t, p, cx.rng.unit()]);
+    }
+    let refs: Vec<Option<r::TopP>> = logits
         .chunks(vocab)
-        .zip(&u)
-        .map(|(l, &u)| r::top_p_sample(l, temp, top_p, u))
+        .zip(params.chunks(3))
+        .map(|(l, p)| (p[0] > 0.0).then(|| r::top_p_sample(l, p[0], p[1], p[2])))
+        .collect();
+    let want: Vec<f32> = logits
+        .chunks(vocab)
+        .zip(&refs)
+        .map(|(l, r)| r.as_ref().map_or(r::argmax(l), |r| r.token) as f32)
         .collect();
     let got = (|| {
-        let (lb, ub, o) = (
+        let (lb, pb, o) = (
             cx.gpu.upf(Dt::F32, &logits)?,
-            cx.gpu.upf(Dt::F32, &u)?,
+            cx.gpu.upf(Dt::F32, &params)?,
             cx.gpu.zeros(rows * 4)?,
         );
         cx.gpu.launch(
             "sampling.cu",
-            "top_p_sample_f32",
+            "sample_f32",
             geometry::sampling(rows)?,
             &[
                 Arg::Buf(&lb),
                 Arg::Buf(&o),
                 Arg::I32(vocab as i32),
-                Arg::F32(temp),
-                Arg::F32(top_p),
-                Arg::Buf(&ub),
+                Arg::Buf(&pb),
             ],
         )?;
         let b = cx.gpu.down(&o)?;
@@ -996,41 +1004,42 @@ fn sampling_cases(cx: &mut Cx) {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect::<Vec<u32>>())
     })();
-    // Sums in a different order can move a boundary: a GPU token counts as
-    // right when it is in the reference's nucleus (0.1% slack on the
-    // threshold); exact agreement is reported in the note.
+    // Sums in a different order can move a boundary: a sampled GPU token
+    // counts as right when it is in the reference's nucleus (0.1% slack on
+    // the threshold); greedy rows must be exact. Exact agreement is in the
+    // note.
     let (gpu, note) = match got {
         Ok(toks) => {
             let exact = toks
                 .iter()
-                .zip(&refs)
-                .filter(|(t, r)| **t == r.token)
+                .zip(&want)
+                .filter(|(t, w)| **t as f32 == **w)
                 .count();
-            let inside: Vec<f32> = toks
+            let judged: Vec<f32> = toks
                 .iter()
                 .zip(&refs)
-                .map(|(&t, r)| {
-                    let ok = (t as usize) < vocab && r.weights[t as usize] >= r.threshold * 0.999;
-                    if ok {
-                        r.token as f32
-                    } else {
-                        t as f32
+                .zip(&want)
+                .map(|((&t, r), &w)| match r {
+                    Some(r)
+                        if (t as usize) < vocab && r.weights[t as usize] >= r.threshold * 0.999 =>
+                    {
+                        w
                     }
+                    _ => t as f32,
                 })
                 .collect();
             (
-                Ok(inside),
+                Ok(judged),
                 Some(format!(
-                    "{exact}/{rows} tokens equal to the reference; the rest inside its nucleus"
+                    "{exact}/{rows} tokens equal to the reference; sampled rows may be anywhere inside its nucleus"
                 )),
             )
         }
         Err(e) => (Err(e), None),
     };
-    let want: Vec<f32> = refs.iter().map(|r| r.token as f32).collect();
     cx.check(
-        "top-p 4x49152 T 0.8 p 0.9",
-        "top_p_sample_f32",
+        "sample 4x49152: greedy, T 0.8 p 0.9, T 1.3 p 0.5, T 0.6 p 1",
+        "sample_f32",
         Dt::F32,
         gpu,
         &want,

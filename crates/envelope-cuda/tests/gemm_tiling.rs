@@ -1,11 +1,13 @@
 //! `kernels/gemm.cu`'s tensor-core kernel, replayed on the CPU: the tile
-//! loads (vector and scalar paths, zero fill at the edges), each lane's
+//! loads (zero fill at the edges), each lane's
 //! registers as the kernel reads them from shared memory, the `mma.sync
 //! m16n8k16` fragment layout of the PTX ISA (16-bit A and B, f32 C/D), and
 //! the epilogue's output indices. It must give `x W^T` on shapes with
 //! partial tiles in every dimension. No GPU runs this; it checks the index
 //! arithmetic a GPU run would otherwise be the first to test (the GPU
 //! self-test then checks the arithmetic itself).
+
+#![allow(clippy::needless_range_loop)] // indices mirror the kernel's
 
 use envelope_cuda::geometry::{gemm, GEMM_TILE};
 use envelope_cuda::reference::gemm_tn;
@@ -16,22 +18,15 @@ const BK: usize = 32;
 const LDS: usize = BK + 8;
 
 /// `load_tile`: the [64, 32] tile at (row0, k0), stride LDS, zero outside.
-fn load_tile(
-    src: &[f32],
-    n_rows: usize,
-    inner: usize,
-    row0: usize,
-    k0: usize,
-    vec: bool,
-) -> Vec<f32> {
+/// The kernel's vector path moves eight elements at once only when all
+/// eight are inside the matrix, so both paths store these values.
+fn load_tile(src: &[f32], n_rows: usize, inner: usize, row0: usize, k0: usize) -> Vec<f32> {
     let mut dst = vec![f32::NAN; BM * LDS];
     for v in 0..BM * BK / 8 {
         let (r, c) = (v / (BK / 8), (v % (BK / 8)) * 8);
         let (gr, gk) = (row0 + r, k0 + c);
         for i in 0..8 {
-            dst[r * LDS + c + i] = if vec && gr < n_rows && gk + 8 <= inner {
-                src[gr * inner + gk + i]
-            } else if gr < n_rows && gk + i < inner {
+            dst[r * LDS + c + i] = if gr < n_rows && gk + i < inner {
                 src[gr * inner + gk + i]
             } else {
                 0.0
@@ -71,14 +66,12 @@ fn mma(d: &mut [[f32; 4]; 32], a: &[[[f32; 2]; 4]; 32], b: &[[[f32; 2]; 2]; 32])
 }
 
 /// `gemm_tc` for one block (bx over out, by over rows), written into `y`.
-#[allow(clippy::too_many_arguments)]
 fn block(
     x: &[f32],
     w: &[f32],
     y: &mut [f32],
     (rows, inner, out): (usize, usize, usize),
     (bx, by): (usize, usize),
-    vec: bool,
     accumulate: bool,
 ) {
     let (row0, col0) = (by * BM, bx * BN);
@@ -86,8 +79,8 @@ fn block(
     let mut acc = vec![[[[[0f32; 4]; 32]; 4]; 2]; 4];
     let mut k0 = 0;
     while k0 < inner {
-        let xs = load_tile(x, rows, inner, row0, k0, vec);
-        let ws = load_tile(w, out, inner, col0, k0, vec);
+        let xs = load_tile(x, rows, inner, row0, k0);
+        let ws = load_tile(w, out, inner, col0, k0);
         for (warp, acc_w) in acc.iter_mut().enumerate() {
             let (wm, wn) = ((warp >> 1) * 32, (warp & 1) * 32);
             for kk in (0..BK).step_by(16) {
@@ -140,7 +133,7 @@ fn block(
     }
 }
 
-fn run(dims: (usize, usize, usize), vec: bool, accumulate: bool) {
+fn run(dims: (usize, usize, usize), accumulate: bool) {
     let (rows, inner, out) = dims;
     // Small integers: every product and sum is exact in f32, so the replay
     // must equal the reference exactly.
@@ -152,11 +145,11 @@ fn run(dims: (usize, usize, usize), vec: bool, accumulate: bool) {
     let mut y = y0.clone();
     for by in 0..l.grid.1 as usize {
         for bx in 0..l.grid.0 as usize {
-            block(&x, &w, &mut y, dims, (bx, by), vec, accumulate);
+            block(&x, &w, &mut y, dims, (bx, by), accumulate);
         }
     }
     let want = gemm_tn(&x, &w, accumulate.then_some(&y0[..]), dims, 1.0);
-    assert_eq!(y, want, "{dims:?} vec={vec} accumulate={accumulate}");
+    assert_eq!(y, want, "{dims:?} accumulate={accumulate}");
 }
 
 #[test]
@@ -164,10 +157,10 @@ fn the_tensor_core_kernel_computes_x_times_w_transposed() {
     assert_eq!((BM, BN), (GEMM_TILE, GEMM_TILE));
     // A decode row, partial tiles in every dimension, a K tile that ends
     // inside an 8-element vector, several K tiles with the residual add.
-    run((1, 64, 96), true, false);
-    run((70, 200, 130), true, false);
-    run((37, 100, 45), false, false);
-    run((128, 96, 72), true, true);
+    run((1, 64, 96), false);
+    run((70, 200, 130), false);
+    run((37, 100, 45), false);
+    run((128, 96, 72), true);
 }
 
 #[test]
@@ -178,8 +171,8 @@ fn a_wrong_fragment_layout_is_caught() {
     let (rows, inner, out) = (16, 16, 8);
     let x: Vec<f32> = (0..rows * inner).map(|i| (i % 5) as f32).collect();
     let w: Vec<f32> = (0..out * inner).map(|i| (i % 3) as f32).collect();
-    let xs = load_tile(&x, rows, inner, 0, 0, true);
-    let ws = load_tile(&w, out, inner, 0, 0, true);
+    let xs = load_tile(&x, rows, inner, 0, 0);
+    let ws = load_tile(&w, out, inner, 0, 0);
     let want = gemm_tn(&x, &w, None, (rows, inner, out), 1.0);
     let product = |swap_b: bool| {
         let mut a = [[[0f32; 2]; 4]; 32];

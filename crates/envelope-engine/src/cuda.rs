@@ -22,6 +22,7 @@ use crate::kv_cache::KvGeometry;
 use crate::linear::{Linear, Matrix};
 use crate::model::{self, Backend, Norm, Proj, SeqChunk, StepBatch};
 use crate::precision::{KvDtype, Precision};
+use crate::sampling::DevicePick;
 use crate::weights::{self, DummyInit, ModelSource, ModelWeights, Role, WeightReport};
 use candle_core::{DType as CDType, Device as CDevice, Tensor};
 use envelope_cuda::runtime::{le_bytes, AttnDims, Buf, DType, F32Slice, Fp8Buf, Gpu};
@@ -576,17 +577,38 @@ impl CudaModel {
     }
 
     /// Runs one step and picks the greedy token of each logits row on the
-    /// device (`argmax` kernel: the lowest index on a tie, as the CPU).
+    /// device (the lowest index on a tie, as the CPU).
     ///
     /// # Errors
     /// As [`CudaModel::forward`].
     pub fn forward_greedy(&self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+        let rows = chunks.iter().filter(|c| c.want_logits).count();
+        self.forward_sample(chunks, &vec![DevicePick::GREEDY; rows])
+    }
+
+    /// Runs one step and picks each logits row's token on the device as
+    /// `picks[row]` says (`kernels/sampling.cu`'s `sample`): only the
+    /// tokens come back, not the `[rows, vocab]` logits.
+    ///
+    /// # Errors
+    /// As [`CudaModel::forward`], and a pick count that is not the row count.
+    pub fn forward_sample(&self, chunks: &[SeqChunk], picks: &[DevicePick]) -> Result<Vec<u32>> {
         let Some(logits) = self.forward_logits(chunks)? else {
             return Ok(Vec::new());
         };
+        if picks.len() != logits.rows {
+            return Err(EngineError::InvalidSetting {
+                field: "engine",
+                message: format!("{} picks for {} logits rows", picks.len(), logits.rows),
+            });
+        }
+        let params: Vec<f32> = picks
+            .iter()
+            .flat_map(|p| [p.temperature, p.top_p, p.u])
+            .collect();
         Ok(self
             .gpu
-            .argmax(&logits.buf, logits.rows, self.config.vocab_size)?)
+            .sample(&logits.buf, logits.rows, self.config.vocab_size, &params)?)
     }
 
     /// The step's `[rows, vocab]` f32 logits, left on the device.

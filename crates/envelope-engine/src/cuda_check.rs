@@ -169,8 +169,6 @@ pub fn model_check(
         error: None,
     };
     let res = (|| -> crate::Result<()> {
-        // No device: say so before spending the CPU side's time.
-        drop(envelope_cuda::Device::open(ordinal)?);
         let opts = LoadOptions {
             precision,
             tokenizer: None,

@@ -9,7 +9,7 @@ use crate::kv_cache::{KvGeometry, KvPool};
 use crate::load::{LoadedModel, ModelInfo};
 use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{DevicePick, Sampler, SamplingParams};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
@@ -181,19 +181,21 @@ pub trait StepRunner: Send {
     /// One f32 logits row per chunk that wants logits, in chunk order.
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>>;
 
-    /// Whether [`StepRunner::forward_greedy`] picks tokens where the logits
-    /// are (a GPU), saving their copy to the host.
-    fn greedy_on_device(&self) -> bool {
+    /// Whether [`StepRunner::forward_sample`] picks tokens where the logits
+    /// are (a GPU), saving their `[rows, vocab]` copy to the host.
+    fn samples_on_device(&self) -> bool {
         false
     }
 
-    /// One greedy token (the largest logit, the lowest index on a tie, as
-    /// [`crate::sampling::argmax`]) per chunk that wants logits.
-    fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+    /// One token per chunk that wants logits, picked as `picks[row]` says
+    /// (greedy: the largest logit, the lowest index on a tie; else top-p,
+    /// see [`DevicePick`]).
+    fn forward_sample(&mut self, chunks: &[SeqChunk], picks: &[DevicePick]) -> Result<Vec<u32>> {
         Ok(self
             .forward(chunks)?
             .iter()
-            .map(|l| crate::sampling::argmax(l))
+            .zip(picks)
+            .map(|(l, p)| p.pick(l))
             .collect())
     }
 }
@@ -201,7 +203,7 @@ pub trait StepRunner: Send {
 /// What a step's forward pass handed back for sampling.
 enum Sampled {
     Logits(Vec<Vec<f32>>),
-    /// Greedy tokens chosen by the runner.
+    /// Tokens the runner picked on its device.
     Tokens(Vec<u32>),
 }
 
@@ -223,11 +225,11 @@ impl StepRunner for crate::cuda::CudaModel {
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
         crate::cuda::CudaModel::forward(self, chunks)
     }
-    fn greedy_on_device(&self) -> bool {
+    fn samples_on_device(&self) -> bool {
         true
     }
-    fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
-        crate::cuda::CudaModel::forward_greedy(self, chunks)
+    fn forward_sample(&mut self, chunks: &[SeqChunk], picks: &[DevicePick]) -> Result<Vec<u32>> {
+        crate::cuda::CudaModel::forward_sample(self, chunks, picks)
     }
 }
 
@@ -574,6 +576,27 @@ impl Engine {
                 s.preemptions += 1;
             }
         }
+        // A runner that samples on its device picks every token itself
+        // (greedy, or top-p without top-k) instead of copying [rows, vocab]
+        // logits back; each sampled sequence draws its uniform here, in row
+        // order.
+        let vocab = self.info.model.config.vocab_size;
+        let picks: Option<Vec<DevicePick>> = (self.runner.samples_on_device()
+            && plan
+                .work
+                .iter()
+                .filter(|w| w.samples)
+                .all(|w| DevicePick::supports(&self.seqs[&w.id].params, vocab)))
+        .then(|| {
+            plan.work
+                .iter()
+                .filter(|w| w.samples)
+                .map(|w| {
+                    let s = self.seqs.get_mut(&w.id).expect("scheduled sequence exists");
+                    s.sampler.device_pick(&s.params)
+                })
+                .collect()
+        });
         let chunks: Vec<SeqChunk> = plan
             .work
             .iter()
@@ -584,17 +607,9 @@ impl Engine {
                 want_logits: w.samples,
             })
             .collect();
-        // Every sampled sequence greedy: a GPU runner picks the tokens
-        // itself instead of copying [rows, vocab] logits back.
-        let all_greedy = plan
-            .work
-            .iter()
-            .filter(|w| w.samples)
-            .all(|w| self.seqs[&w.id].params.temperature <= 0.0);
-        let logits = if all_greedy && self.runner.greedy_on_device() {
-            self.runner.forward_greedy(&chunks).map(Sampled::Tokens)
-        } else {
-            self.runner.forward(&chunks).map(Sampled::Logits)
+        let logits = match &picks {
+            Some(p) => self.runner.forward_sample(&chunks, p).map(Sampled::Tokens),
+            None => self.runner.forward(&chunks).map(Sampled::Logits),
         };
         drop(chunks);
         // One row (or token) per sampled chunk, or the step fails cleanly
@@ -1027,11 +1042,12 @@ mod tests {
     use crate::precision::Precision;
 
     /// A CPU runner that claims device sampling and counts which path the
-    /// engine takes.
+    /// engine takes, recording the picks it was handed.
     struct Counting {
         inner: CpuRunner,
-        greedy_calls: Arc<AtomicUsize>,
+        device_calls: Arc<AtomicUsize>,
         logits_calls: Arc<AtomicUsize>,
+        picks: Arc<Mutex<Vec<DevicePick>>>,
     }
 
     impl StepRunner for Counting {
@@ -1039,24 +1055,36 @@ mod tests {
             self.logits_calls.fetch_add(1, Ordering::Relaxed);
             self.inner.forward(chunks)
         }
-        fn greedy_on_device(&self) -> bool {
+        fn samples_on_device(&self) -> bool {
             true
         }
-        fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
-            self.greedy_calls.fetch_add(1, Ordering::Relaxed);
+        fn forward_sample(
+            &mut self,
+            chunks: &[SeqChunk],
+            picks: &[DevicePick],
+        ) -> Result<Vec<u32>> {
+            self.device_calls.fetch_add(1, Ordering::Relaxed);
+            self.picks.lock().unwrap().extend_from_slice(picks);
             Ok(self
                 .inner
                 .forward(chunks)?
                 .iter()
-                .map(|l| crate::sampling::argmax(l))
+                .zip(picks)
+                .map(|(l, p)| p.pick(l))
                 .collect())
         }
     }
 
     fn run(engine: &mut Engine, temperature: f32) -> Vec<u32> {
+        run_with(engine, temperature, 0)
+    }
+
+    fn run_with(engine: &mut Engine, temperature: f32, top_k: usize) -> Vec<u32> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let params = SamplingParams {
             temperature,
+            top_p: 0.9,
+            top_k,
             seed: Some(3),
             ignore_eos: true,
             ..SamplingParams::greedy(6)
@@ -1082,11 +1110,11 @@ mod tests {
         out
     }
 
-    /// Greedy steps go through the runner's device sampling when it has
-    /// one, with the tokens the host sampler would pick; a sampled request
-    /// still gets logits.
+    /// With a runner that samples on its device, greedy and top-p steps go
+    /// through it (greedy: the host sampler's tokens; top-p: one seeded
+    /// draw per token, reproducible), and only a top-k request gets logits.
     #[test]
-    fn greedy_steps_use_the_runners_device_sampling() {
+    fn steps_sample_on_the_runners_device_unless_top_k() {
         let opts = LoadOptions {
             precision: Precision::F32,
             tokenizer: None,
@@ -1101,8 +1129,9 @@ mod tests {
         let want = run(&mut host, 0.0);
 
         let l = load("dummy:tiny@9", &opts).unwrap();
-        let (greedy_calls, logits_calls) =
+        let (device_calls, logits_calls) =
             (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let picks = Arc::new(Mutex::new(Vec::new()));
         let mc = l.model.config.clone();
         let g = KvGeometry {
             num_layers: mc.num_layers,
@@ -1115,8 +1144,9 @@ mod tests {
         let (bpt, bytes) = (kv.bytes_per_token(), kv.bytes());
         let runner = Counting {
             inner: CpuRunner { model: l.model, kv },
-            greedy_calls: greedy_calls.clone(),
+            device_calls: device_calls.clone(),
             logits_calls: logits_calls.clone(),
+            picks: picks.clone(),
         };
         let mut dev = Engine::assemble(
             Box::new(runner),
@@ -1129,12 +1159,34 @@ mod tests {
             &cfg,
         );
         assert_eq!(run(&mut dev, 0.0), want);
-        assert!(greedy_calls.load(Ordering::Relaxed) >= 6);
+        assert!(device_calls.load(Ordering::Relaxed) >= 6);
+        assert!(picks
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|p| *p == DevicePick::GREEDY));
         assert_eq!(logits_calls.load(Ordering::Relaxed), 0);
-        assert_eq!(run(&mut dev, 1.0).len(), 6);
+
+        // top-p on the device: one uniform draw per token from the
+        // sequence's seeded generator, so the same seed gives the same
+        // completion; no logits come back.
+        picks.lock().unwrap().clear();
+        let a = run(&mut dev, 1.0);
+        let drawn: Vec<DevicePick> = std::mem::take(&mut *picks.lock().unwrap());
+        assert_eq!(a.len(), 6);
+        assert_eq!(drawn.len(), 6);
+        assert!(drawn
+            .iter()
+            .all(|p| p.temperature == 1.0 && p.top_p == 0.9 && (0.0..1.0).contains(&p.u)));
+        assert!(drawn.windows(2).any(|w| w[0].u != w[1].u));
+        assert_eq!(run(&mut dev, 1.0), a);
+        assert_eq!(logits_calls.load(Ordering::Relaxed), 0);
+
+        // top-k is a host cut: that request's steps copy logits.
+        assert_eq!(run_with(&mut dev, 1.0, 2).len(), 6);
         assert!(
             logits_calls.load(Ordering::Relaxed) >= 6,
-            "sampling needs logits"
+            "top-k sampling needs logits"
         );
     }
 }

@@ -49,6 +49,43 @@ pub struct Sampler {
     rng: StdRng,
 }
 
+/// One row's token choice as a device makes it (`kernels/sampling.cu`'s
+/// `sample`): greedy when `temperature <= 0`, else top-p over
+/// `softmax(logits / temperature)` at the uniform draw `u`, by a threshold
+/// bisection instead of a sort. No top-k: a step with a top-k request
+/// samples on the host. Tokens follow the same distribution as
+/// [`Sampler::sample`]'s but are not the same draws, so a seed reproduces a
+/// completion on the same device, not across devices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DevicePick {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub u: f32,
+}
+
+impl DevicePick {
+    pub const GREEDY: DevicePick = DevicePick {
+        temperature: 0.0,
+        top_p: 1.0,
+        u: 0.0,
+    };
+
+    /// Whether a device can pick for `p` (no top-k cut below `vocab`).
+    pub fn supports(p: &SamplingParams, vocab: usize) -> bool {
+        p.temperature <= 0.0 || p.top_k == 0 || p.top_k >= vocab
+    }
+
+    /// The CPU reference of the device's choice.
+    pub fn pick(&self, logits: &[f32]) -> u32 {
+        if self.temperature <= 0.0 {
+            argmax(logits)
+        } else {
+            envelope_cuda::reference::top_p_sample(logits, self.temperature, self.top_p, self.u)
+                .token
+        }
+    }
+}
+
 impl Sampler {
     pub fn new(seed: Option<u64>) -> Sampler {
         let rng = match seed {
@@ -56,6 +93,19 @@ impl Sampler {
             None => StdRng::from_os_rng(),
         };
         Sampler { rng }
+    }
+
+    /// The device's pick for this sequence's next token: greedy, or top-p
+    /// with the next draw of this sequence's generator.
+    pub fn device_pick(&mut self, p: &SamplingParams) -> DevicePick {
+        if p.temperature <= 0.0 {
+            return DevicePick::GREEDY;
+        }
+        DevicePick {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            u: self.rng.random::<f32>(),
+        }
     }
 
     pub fn sample(&mut self, logits: &[f32], p: &SamplingParams) -> u32 {
@@ -118,6 +168,50 @@ mod tests {
         assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
         let mut s = Sampler::new(Some(1));
         assert_eq!(s.sample(&[0.0, 1.0, 5.0], &SamplingParams::greedy(1)), 2);
+    }
+
+    /// The device's top-p (threshold bisection, index-order walk) draws from
+    /// the same distribution as the host's sort-based sampler.
+    #[test]
+    fn device_picks_follow_the_host_samplers_distribution() {
+        let logits = [2.0f32, 0.5, 1.5, -1.0, 1.0, 0.0, 2.5, -0.5];
+        for (t, p) in [(1.0f32, 1.0f32), (0.7, 0.9), (1.5, 0.6)] {
+            let params = SamplingParams {
+                temperature: t,
+                top_p: p,
+                ..Default::default()
+            };
+            let n = 40_000;
+            let (mut host, mut dev) = (vec![0f64; 8], vec![0f64; 8]);
+            let mut s = Sampler::new(Some(11));
+            let mut d = Sampler::new(Some(12));
+            for _ in 0..n {
+                host[s.sample(&logits, &params) as usize] += 1.0 / n as f64;
+                dev[d.device_pick(&params).pick(&logits) as usize] += 1.0 / n as f64;
+            }
+            for i in 0..8 {
+                assert!(
+                    (host[i] - dev[i]).abs() < 0.015,
+                    "T {t} p {p} token {i}: host {:.3} device {:.3}",
+                    host[i],
+                    dev[i]
+                );
+            }
+            // The nucleus cut is the same set: tokens outside it never come.
+            for i in 0..8 {
+                assert_eq!(host[i] == 0.0, dev[i] == 0.0, "T {t} p {p} token {i}");
+            }
+        }
+        assert_eq!(
+            Sampler::new(None).device_pick(&SamplingParams::greedy(1)),
+            DevicePick::GREEDY
+        );
+        let top_k = SamplingParams {
+            top_k: 5,
+            ..Default::default()
+        };
+        assert!(!DevicePick::supports(&top_k, 100));
+        assert!(DevicePick::supports(&top_k, 5));
     }
 
     #[test]
