@@ -11,6 +11,9 @@
 //     multiply the f32 sum once, as cuBLASLt's scale pointers do.
 //   gemm_f32_f32: CUDA cores, f32 FMA, no TF32 (as cuBLAS's f32 path).
 //
+// gemm_small_*: the same products for at most 8 rows (decode), one warp per
+// output column streaming W once (see below).
+//
 // Tiles: 64x64 outputs per block, K in steps of 32 (tensor cores: 128 threads,
 // four warps of 32x32; f32: 256 threads of 4x4). Grid: (ceil(out/64),
 // ceil(rows/64)). Edges are zero-filled in shared memory, so any shape runs.
@@ -200,6 +203,86 @@ __device__ void gemm_f32(const float* x, const float* w, float* y, int rows, int
       y[idx] = accumulate ? y[idx] + acc[i][j] : acc[i][j];
     }
 }
+
+// Decode-sized GEMMs (rows <= GS_ROWS): memory-bound, so no tiles and no
+// shared memory. Each warp owns one output column n and streams W's row n
+// once, eight elements per lane per load (16 bytes of 16-bit weights),
+// with every x row (small, cached) against it; a warp sum per row, lane 0
+// writes. 8 warps per block: grid = ceil(out / 8).
+#define GS_ROWS 8
+#define GS_WARPS 8
+
+__device__ __forceinline__ void widen8(const float* p, float* o) {
+  const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+template <typename T> __device__ __forceinline__ void widen8(const T* p, float* o) {
+  T e[8];
+  *(uint4*)e = *(const uint4*)p;
+#pragma unroll
+  for (int i = 0; i < 8; i++) o[i] = to_f32(e[i]);
+}
+__device__ __forceinline__ void widen8(const u8* p, float* o) {
+  u8 e[8];
+  *(uint2*)e = *(const uint2*)p;
+#pragma unroll
+  for (int i = 0; i < 8; i++) o[i] = __half2float(widen(e[i]));
+}
+__device__ __forceinline__ float widen1(float v) { return v; }
+__device__ __forceinline__ float widen1(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widen1(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float widen1(u8 v) { return __half2float(widen(v)); }
+
+template <typename In, typename Out>
+__device__ void gemm_small(const In* x, const In* w, Out* y, int rows, int inner, int out,
+                           int accumulate, const float* sx, const float* sw) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * GS_WARPS + (threadIdx.x >> 5);
+  if (n >= out) return;  // a whole warp leaves together
+  const In* wr = w + (long long)n * inner;
+  const bool vec = inner % 8 == 0 && ((size_t)x % 16) == 0 && ((size_t)w % 16) == 0;
+  float acc[GS_ROWS];
+#pragma unroll
+  for (int r = 0; r < GS_ROWS; r++) acc[r] = 0.0f;
+  const int main_end = vec ? inner : 0;
+  for (int k = lane * 8; k < main_end; k += 32 * 8) {
+    float wv[8];
+    widen8(wr + k, wv);
+#pragma unroll
+    for (int r = 0; r < GS_ROWS; r++) {
+      if (r >= rows) break;
+      float xv[8];
+      widen8(x + (long long)r * inner + k, xv);
+#pragma unroll
+      for (int i = 0; i < 8; i++) acc[r] = fmaf(xv[i], wv[i], acc[r]);
+    }
+  }
+  for (int k = main_end + lane; k < inner; k += 32) {
+    const float wv = widen1(wr[k]);
+#pragma unroll
+    for (int r = 0; r < GS_ROWS; r++) {
+      if (r >= rows) break;
+      acc[r] = fmaf(widen1(x[(long long)r * inner + k]), wv, acc[r]);
+    }
+  }
+  const float scale = (sx ? *sx : 1.0f) * (sw ? *sw : 1.0f);
+#pragma unroll
+  for (int r = 0; r < GS_ROWS; r++) {
+    if (r >= rows) break;
+    const float v = warp_sum(acc[r]) * scale;
+    if (lane == 0) {
+      const long long idx = (long long)r * out + n;
+      y[idx] = from_f32<Out>(accumulate ? v + to_f32(y[idx]) : v);
+    }
+  }
+}
+
+extern "C" __global__ void gemm_small_f32_f32(const float* x, const float* w, float* y, int rows, int inner, int out, int acc) { gemm_small(x, w, y, rows, inner, out, acc, nullptr, nullptr); }
+extern "C" __global__ void gemm_small_f16_f16(const __half* x, const __half* w, __half* y, int rows, int inner, int out, int acc) { gemm_small(x, w, y, rows, inner, out, acc, nullptr, nullptr); }
+extern "C" __global__ void gemm_small_f16_f32(const __half* x, const __half* w, float* y, int rows, int inner, int out, int acc) { gemm_small(x, w, y, rows, inner, out, acc, nullptr, nullptr); }
+extern "C" __global__ void gemm_small_bf16_bf16(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int rows, int inner, int out, int acc) { gemm_small(x, w, y, rows, inner, out, acc, nullptr, nullptr); }
+extern "C" __global__ void gemm_small_bf16_f32(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int rows, int inner, int out, int acc) { gemm_small(x, w, y, rows, inner, out, acc, nullptr, nullptr); }
+extern "C" __global__ void gemm_small_fp8_bf16(const u8* x, const u8* w, __nv_bfloat16* y, int rows, int inner, int out, int acc, const float* sx, const float* sw) { gemm_small(x, w, y, rows, inner, out, acc, sx, sw); }
 
 extern "C" __global__ void gemm_f32_f32(const float* x, const float* w, float* y, int rows, int inner, int out, int acc) { gemm_f32(x, w, y, rows, inner, out, acc); }
 extern "C" __global__ void gemm_f16_f16(const __half* x, const __half* w, __half* y, int rows, int inner, int out, int acc) { gemm_tc(x, w, y, rows, inner, out, acc, nullptr, nullptr); }

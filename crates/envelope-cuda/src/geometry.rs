@@ -218,6 +218,26 @@ pub fn gemm(rows: usize, out: usize, f32: bool) -> Result<Launch> {
     })
 }
 
+/// Rows up to which `gemm.cu`'s `gemm_small_*` (one warp per output column,
+/// W streamed once) replaces the tiles (`GS_ROWS`), and its warps per block.
+pub const GEMM_SMALL_ROWS: usize = 8;
+pub const GEMM_SMALL_WARPS: usize = 8;
+
+/// `gemm_small_*`: one warp per output column.
+pub fn gemm_small(rows: usize, out: usize) -> Result<Launch> {
+    if rows == 0 || rows > GEMM_SMALL_ROWS {
+        return Err(shape(
+            "gemm_small",
+            format!("rows = {rows} is outside 1..={GEMM_SMALL_ROWS}"),
+        ));
+    }
+    Ok(Launch {
+        grid: (dim_x("gemm_small", out.div_ceil(GEMM_SMALL_WARPS))?, 1, 1),
+        block: (GEMM_SMALL_WARPS as u32 * 32, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
 /// Block tables as one `[num_seqs, max_blocks]` i32 array (row-major),
 /// padded with block 0: a padding entry is never read, since the kernels
 /// stop at the context length, and 0 is always a valid block if it were.
@@ -353,6 +373,14 @@ mod tests {
             // The tensor-core kernel's 4 warps are 2x2 warps of 32x32.
             assert_eq!((l.block.0 / 32) as usize * 32 * 32, GEMM_TILE * GEMM_TILE);
         }
+        // gemm_small: a warp per column, every column covered once.
+        for out in [1, 8, 9, 4096, 128_256] {
+            let l = gemm_small(8, out).unwrap();
+            assert_eq!(l.block.0 as usize, GEMM_SMALL_WARPS * 32);
+            let warps = l.grid.0 as usize * GEMM_SMALL_WARPS;
+            assert!(warps >= out && warps - out < GEMM_SMALL_WARPS, "{out}");
+        }
+        assert!(gemm_small(9, 10).is_err() && gemm_small(0, 10).is_err());
         // The f32 kernel: 16x16 threads of 4x4 outputs.
         let l = gemm(5, 5, true).unwrap();
         assert_eq!(l.block.0 as usize * 16, GEMM_TILE * GEMM_TILE);

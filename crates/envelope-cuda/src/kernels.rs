@@ -117,7 +117,13 @@ pub const KERNELS: &[KernelSource] = &[
             "gemm_f16_f32",
             "gemm_bf16_bf16",
             "gemm_bf16_f32",
-            "gemm_fp8_bf16"
+            "gemm_fp8_bf16",
+            "gemm_small_f32_f32",
+            "gemm_small_f16_f16",
+            "gemm_small_f16_f32",
+            "gemm_small_bf16_bf16",
+            "gemm_small_bf16_f32",
+            "gemm_small_fp8_bf16"
         ]
     ),
     k!(

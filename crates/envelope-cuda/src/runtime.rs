@@ -1118,8 +1118,8 @@ impl Gpu {
     }
 
     /// The GEMM on `kernels/gemm.cu` (no cuBLAS): `entry` is
-    /// `gemm_<x dtype>_<y dtype>`; `scales` the fp8 per-tensor scales of x
-    /// and W.
+    /// `gemm_<x dtype>_<y dtype>` (`gemm_small_...` up to 8 rows); `scales`
+    /// the fp8 per-tensor scales of x and W.
     #[allow(clippy::too_many_arguments)]
     fn gemm_kernel(
         &self,
@@ -1134,7 +1134,19 @@ impl Gpu {
         let dims = |v: usize, what: &str| {
             i32::try_from(v).map_err(|_| shape("gemm", format!("{what} = {v} exceeds i32")))
         };
-        let l = geometry::gemm(rows, out, x.dtype == DType::F32)?;
+        // Decode-sized: one warp per output column, W streamed once.
+        let small = rows <= geometry::GEMM_SMALL_ROWS;
+        let (entry, l) = if small {
+            (
+                entry.replacen("gemm_", "gemm_small_", 1),
+                geometry::gemm_small(rows, out)?,
+            )
+        } else {
+            (
+                entry.to_string(),
+                geometry::gemm(rows, out, x.dtype == DType::F32)?,
+            )
+        };
         let mut args = vec![
             Arg::Buf(x),
             Arg::Buf(w),
@@ -1148,7 +1160,7 @@ impl Gpu {
             args.push(Arg::F32s(sx));
             args.push(Arg::F32s(sw));
         }
-        self.launch(entry, l, &args)
+        self.launch(&entry, l, &args)
     }
 
     /// One token per row of `[rows, vocab]` logits, picked per row by

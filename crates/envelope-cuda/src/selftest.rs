@@ -464,15 +464,24 @@ fn model_support_cases(cx: &mut Cx) {
 /// shapes that cover a decode row, partial tiles, an inner size that is not
 /// a multiple of 8 (the scalar load path) and the fused residual add.
 fn gemm_cases(cx: &mut Cx) {
-    let shapes: [(usize, usize, usize, bool); 4] = [
+    // (rows, inner, out, accumulate): up to 8 rows run gemm_small_*.
+    let shapes: [(usize, usize, usize, bool); 7] = [
         (1, 64, 96, false),
         (70, 200, 130, false),
         (37, 100, 45, false),
         (128, 512, 256, true),
+        (1, 4096, 24, false),
+        (5, 100, 45, false),
+        (8, 1000, 33, true),
     ];
     for (rows, inner, out, acc) in shapes {
         let dims = (rows, inner, out);
         let name = format!("gemm {rows}x{inner}x{out}{}", if acc { " +y" } else { "" });
+        let small = if rows <= geometry::GEMM_SMALL_ROWS {
+            "small_"
+        } else {
+            ""
+        };
         for (dt, odt) in [
             (Dt::F32, Dt::F32),
             (Dt::F16, Dt::F16),
@@ -484,7 +493,7 @@ fn gemm_cases(cx: &mut Cx) {
             let w = round(dt, &cx.rng.vec(out * inner, 0.5));
             let y0 = round(odt, &cx.rng.vec(rows * out, 1.0));
             let want = round(odt, &r::gemm_tn(&x, &w, acc.then_some(&y0[..]), dims, 1.0));
-            let entry = format!("gemm_{}_{}", dt.suffix(), odt.suffix());
+            let entry = format!("gemm_{small}{}_{}", dt.suffix(), odt.suffix());
             let got = (|| {
                 let (xb, wb, yb) = (
                     cx.gpu.upf(dt, &x)?,
@@ -503,6 +512,7 @@ fn gemm_cases(cx: &mut Cx) {
                 break b;
             }
         };
+        let fp8_entry = format!("gemm_{small}fp8_bf16");
         let qx: Vec<u8> = (0..rows * inner).map(|_| code()).collect();
         let qw: Vec<u8> = (0..out * inner).map(|_| code()).collect();
         let (sx, sw) = (0.0123f32, 0.00456f32);
@@ -520,7 +530,7 @@ fn gemm_cases(cx: &mut Cx) {
             let (sxb, swb) = (cx.gpu.upf(Dt::F32, &[sx])?, cx.gpu.upf(Dt::F32, &[sw])?);
             gemm_launch(
                 cx.gpu,
-                "gemm_fp8_bf16",
+                &fp8_entry,
                 [&xb, &wb, &yb],
                 dims,
                 false,
@@ -530,7 +540,7 @@ fn gemm_cases(cx: &mut Cx) {
         })();
         cx.check(
             &name,
-            "gemm_fp8_bf16",
+            &fp8_entry,
             Dt::Bf16,
             got,
             &want,
@@ -559,8 +569,12 @@ fn gemm_launch(
     if let Some([sx, sw]) = scales {
         args.extend([Arg::Buf(sx), Arg::Buf(sw)]);
     }
-    let f32 = entry == "gemm_f32_f32";
-    gpu.launch("gemm.cu", entry, geometry::gemm(rows, out, f32)?, &args)
+    let l = if entry.starts_with("gemm_small_") {
+        geometry::gemm_small(rows, out)?
+    } else {
+        geometry::gemm(rows, out, entry == "gemm_f32_f32")?
+    };
+    gpu.launch("gemm.cu", entry, l, &args)
 }
 
 fn elementwise_cases(cx: &mut Cx) {
