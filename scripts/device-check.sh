@@ -9,13 +9,14 @@
 # from the repository root:
 #
 #   scripts/device-check.sh [OUT] [STAGES]   # OUT defaults to $OUT, else device-check-out
-#                                            # STAGES: comma list of kernels,driver-only,models,engine,bench (default: all)
+#                                            # STAGES: comma list of kernels,driver-only,gemm,models,engine,bench (default: all)
 #
 # Nothing here has run on a GPU yet, so the real durations are unknown. Each
 # stage has a timeout (below), so a hang costs at most that: kernels 120 s,
-# kernel-cache 30 s, driver-only 60 + 120 s, models 180 s, engine 90 + 30 s,
-# bench 300 s (930 s in all). A device call is limited to 600 s: run it in
-# two calls, `kernels,driver-only,models` and then `engine,bench`.
+# kernel-cache 30 s, driver-only 60 + 120 s, gemm 90 s, models 180 s, engine
+# 90 + 30 s, bench 300 s (1020 s in all). A device call is limited to 600 s:
+# run it in two calls, `kernels,driver-only,models` and then
+# `gemm,engine,bench`.
 # Stages:
 #   kernels  `envelope cuda-selftest`: device and NVML facts, every kernel in
 #            kernels/ compiled by the machine's NVRTC (libnvrtc.so.13 from the
@@ -27,6 +28,9 @@
 #            with ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels: NVRTC and
 #            cuBLAS are not opened, as on a machine with only the driver ->
 #            OUT/driver-only/.
+#   gemm     `cuda-selftest --gemm-bench`: cuBLAS/cuBLASLt against
+#            kernels/gemm.cu on Llama 3.1 8B's layer shapes in bf16 and fp8 at
+#            1, 8, 64, 512 and 4096 rows -> OUT/gemm-bench.json and .csv.
 #   models   `cuda-selftest --models`: dummy:smollm2-135m and dummy:llama-3.2-1b
 #            on the GPU against the CPU engine on this machine, in f32, bf16 and
 #            fp8 (against the CPU's fp8 emulation): last-token logits and 8
@@ -42,7 +46,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${ENVELOPE_BIN:-target/release/envelope}
 DEST=${1:-${OUT:-device-check-out}}
-STAGES=${2:-kernels,driver-only,models,engine,bench}
+STAGES=${2:-kernels,driver-only,gemm,models,engine,bench}
 mkdir -p "$DEST"
 # A fresh kernel cache, so the run measures the compile too.
 export ENVELOPE_KERNEL_CACHE=$(mktemp -d)
@@ -58,9 +62,9 @@ fi
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
 for s in ${STAGES//,/ }; do
   case "$s" in
-    kernels | driver-only | models | engine | bench) ;;
+    kernels | driver-only | gemm | models | engine | bench) ;;
     *)
-      echo "device-check: unknown stage '$s' (kernels, driver-only, models, engine, bench)" | tee -a "$LOG"
+      echo "device-check: unknown stage '$s' (kernels, driver-only, gemm, models, engine, bench)" | tee -a "$LOG"
       exit 2
       ;;
   esac
@@ -108,6 +112,10 @@ if want driver-only; then
   run driver-only-kernels 60 "${only[@]}" "$BIN" cuda-selftest --out "$DEST/driver-only"
   run driver-only-models 120 "${only[@]}" "$BIN" cuda-selftest --models \
     --check-models dummy:smollm2-135m --out "$DEST/driver-only"
+fi
+
+if want gemm; then
+  run gemm 90 "$BIN" cuda-selftest --gemm-bench --out "$DEST"
 fi
 
 if want models; then

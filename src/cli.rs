@@ -42,7 +42,7 @@ pub enum Command {
     Quality(crate::quality::QualityArgs),
     /// Govern an OpenAI-compatible server: admit only what a profile's limits allow.
     Govern(Box<crate::govern::GovernArgs>),
-    /// GPU self-test for scripts/device-check.sh: device facts, NVRTC compile and every kernel against its CPU reference; --models: whole dummy models on the GPU against the CPU engine; --bench: GPU tokens/s.
+    /// GPU self-test for scripts/device-check.sh: device facts, kernel compile and every kernel against its CPU reference; --models: whole dummy models on the GPU against the CPU engine; --bench: GPU tokens/s; --gemm-bench: cuBLAS against the GEMM kernels.
     #[command(hide = true)]
     CudaSelftest(CudaSelftestArgs),
 }
@@ -64,6 +64,11 @@ pub struct CudaSelftestArgs {
     /// GPU in bf16 and fp8 at batch 1/8/64 and context 1k/8k (bench-cuda.json, .csv).
     #[arg(long)]
     pub bench: bool,
+    /// Instead of the kernels: GEMM throughput of cuBLAS against
+    /// kernels/gemm.cu on Llama 3.1 8B's layer shapes at 1 to 4096 rows
+    /// (gemm-bench.json, .csv).
+    #[arg(long)]
+    pub gemm_bench: bool,
     /// The model of --bench.
     #[arg(long, default_value = "dummy:llama-3.1-8b")]
     pub bench_model: String,

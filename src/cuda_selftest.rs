@@ -17,6 +17,9 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
     if args.bench {
         return bench(args);
     }
+    if args.gemm_bench {
+        return gemm_bench(args);
+    }
     let nvml = match envelope_telemetry::Nvml::init() {
         Ok(n) => serde_json::json!({
             "driver_version": n.driver_version(),
@@ -156,6 +159,67 @@ fn models(args: &CudaSelftestArgs) -> Result<()> {
     println!("wrote {}", path.display());
     if all.iter().any(|r| !r.passed) {
         bail!("a model check did not pass (see above)");
+    }
+    Ok(())
+}
+
+fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
+    use envelope_cuda::gemm_bench::{run, LLAMA_8B};
+    let gpu = envelope_cuda::runtime::Gpu::open(args.ordinal)
+        .with_context(|| format!("opening CUDA device {}", args.ordinal))?;
+    gpu.bind()?;
+    println!(
+        "{} ({}), kernels: {}, GEMMs: {}",
+        gpu.device.info.name, gpu.info.arch, gpu.info.kernels, gpu.info.gemm
+    );
+    let points = run(&gpu, &LLAMA_8B, &[1, 8, 64, 512, 4096]);
+    let mut csv = String::from(
+        "shape,dtype,path,rows,inner,out,calls,us_per_call,tflops,weight_gb_per_s,error\n",
+    );
+    println!(
+        "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11} {:>8} {:>9}",
+        "shape", "dtype", "path", "rows", "inner", "out", "us/call", "TFLOP/s", "W GB/s"
+    );
+    for p in &points {
+        println!(
+            "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11.1} {:>8.1} {:>9.0}{}",
+            p.shape,
+            p.dtype,
+            p.path,
+            p.rows,
+            p.inner,
+            p.out,
+            p.us_per_call,
+            p.tflops,
+            p.weight_gb_per_s,
+            p.error
+                .as_deref()
+                .map(|e| format!(" ERROR {e}"))
+                .unwrap_or_default()
+        );
+        csv.push_str(&format!(
+            "{},{},{},{},{},{},{},{:.2},{:.3},{:.1},{}\n",
+            p.shape,
+            p.dtype,
+            p.path,
+            p.rows,
+            p.inner,
+            p.out,
+            p.calls,
+            p.us_per_call,
+            p.tflops,
+            p.weight_gb_per_s,
+            p.error.as_deref().unwrap_or("").replace(',', ";")
+        ));
+    }
+    write_json(
+        &args.out.join("gemm-bench.json"),
+        &serde_json::json!({ "device": gpu.device.info, "runtime": gpu.info, "points": points }),
+    )?;
+    std::fs::write(args.out.join("gemm-bench.csv"), csv)?;
+    println!("wrote {}/gemm-bench.json and .csv", args.out.display());
+    if points.iter().any(|p| p.error.is_some()) {
+        bail!("a GEMM point failed (see above)");
     }
     Ok(())
 }

@@ -187,7 +187,7 @@ fn device_check_script_runs_its_stages_and_reports() {
             "/scripts/device-check.sh"
         ))
         .arg(&out)
-        .arg("kernels,driver-only,engine")
+        .arg("kernels,driver-only,gemm,engine")
         .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
         .env("ENVELOPE_LOG", "warn")
         .env_remove("ENVELOPE_DEVICE")
@@ -201,6 +201,7 @@ fn device_check_script_runs_its_stages_and_reports() {
         "== kernel-cache:",
         "== driver-only-kernels: env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
         "== driver-only-models:",
+        "== gemm:",
         "== engine-cuda:",
         "== engine-auto:",
         "falling back to the CPU",

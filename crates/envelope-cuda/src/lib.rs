@@ -41,6 +41,7 @@ pub mod device;
 pub mod embedded;
 pub mod error;
 pub mod fp8;
+pub mod gemm_bench;
 pub mod geometry;
 pub mod kernels;
 pub mod libs;

@@ -1117,6 +1117,56 @@ impl Gpu {
         }
     }
 
+    /// Whether GEMMs run on cuBLAS (else on `kernels/gemm.cu`).
+    pub fn has_cublas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// [`Gpu::gemm`] on `kernels/gemm.cu` even where cuBLAS is loaded (the
+    /// GEMM benchmark compares the two).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_kernels(
+        &self,
+        x: &Buf,
+        w: &Buf,
+        y: &Buf,
+        rows: usize,
+        inner: usize,
+        out: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        Self::same("gemm", x, w)?;
+        Self::need("gemm", x, rows * inner)?;
+        Self::need("gemm", w, out * inner)?;
+        Self::need("gemm", y, rows * out)?;
+        let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
+        self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None)
+    }
+
+    /// [`Gpu::gemm_fp8`] on `kernels/gemm.cu` even where cuBLASLt is loaded.
+    pub fn gemm_fp8_kernels(
+        &self,
+        x: &Fp8Buf,
+        w: &Fp8Buf,
+        y: &Buf,
+        rows: usize,
+        inner: usize,
+        out: usize,
+    ) -> Result<()> {
+        Self::need("gemm_fp8", &x.data, rows * inner)?;
+        Self::need("gemm_fp8", &w.data, out * inner)?;
+        Self::need("gemm_fp8", y, rows * out)?;
+        self.gemm_kernel(
+            "gemm_fp8_bf16",
+            &x.data,
+            &w.data,
+            y,
+            (rows, inner, out),
+            false,
+            Some((&x.scale, &w.scale)),
+        )
+    }
+
     /// The GEMM on `kernels/gemm.cu` (no cuBLAS): `entry` is
     /// `gemm_<x dtype>_<y dtype>` (`gemm_small_...` up to 8 rows); `scales`
     /// the fp8 per-tensor scales of x and W.
