@@ -54,7 +54,7 @@ __device__ __forceinline__ void load_tile(S* dst, const In* src, int n_rows, int
       if constexpr (sizeof(In) == 2) {
         *(uint4*)d = *(const uint4*)s;
       } else {
-        In e[8];
+        __align__(8) In e[8];
         *(uint2*)e = *(const uint2*)s;
 #pragma unroll
         for (int i = 0; i < 8; i++) d[i] = widen(e[i]);
@@ -217,13 +217,13 @@ __device__ __forceinline__ void widen8(const float* p, float* o) {
   o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
 }
 template <typename T> __device__ __forceinline__ void widen8(const T* p, float* o) {
-  T e[8];
+  __align__(16) T e[8];
   *(uint4*)e = *(const uint4*)p;
 #pragma unroll
   for (int i = 0; i < 8; i++) o[i] = to_f32(e[i]);
 }
 __device__ __forceinline__ void widen8(const u8* p, float* o) {
-  u8 e[8];
+  __align__(8) u8 e[8];
   *(uint2*)e = *(const uint2*)p;
 #pragma unroll
   for (int i = 0; i < 8; i++) o[i] = __half2float(widen(e[i]));

@@ -87,7 +87,9 @@ __device__ void top_p_sample(const T* logits, u32* out, int vocab, float tempera
   int my_last = -1;
   for (int i = c0; i < c1; i++) {
     const float e = expf((to_f32(row[i]) - mx) * inv_t);
-    if (e >= lo) { mine += e; my_last = i; }
+    // The fallback token (a walk that rounding kept short of the target)
+    // must have weight: with tau = 0 every token passes e >= lo.
+    if (e >= lo) { mine += e; if (e > 0.0f) my_last = i; }
   }
   s_chunk[threadIdx.x] = mine;
   s_last[threadIdx.x] = my_last;

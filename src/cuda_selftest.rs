@@ -1,9 +1,11 @@
 //! `envelope cuda-selftest --out DIR` (hidden; run by scripts/device-check.sh
-//! on a GPU machine): device and NVML facts, NVRTC compile of every kernel,
+//! on a GPU machine): device and NVML facts, every kernel compiled by NVRTC
+//! (or the PTX embedded in the binary),
 //! each kernel against its CPU reference; `DIR/selftest.json`. Exits 1
 //! unless everything passed. `--models`: whole dummy models on the GPU
 //! against the CPU engine (`DIR/model-check.json`); `--bench`: tokens/s of
-//! a model on the GPU (`DIR/bench-cuda.json` and `.csv`).
+//! a model on the GPU (`DIR/bench-cuda.json` and `.csv`); `--gemm-bench`:
+//! cuBLAS against the GEMM kernels (`DIR/gemm-bench.json` and `.csv`).
 
 use crate::cli::CudaSelftestArgs;
 use anyhow::{bail, Context, Result};

@@ -44,7 +44,7 @@ pub fn arch_for(cc: (i32, i32)) -> Result<(usize, &'static str)> {
     } else if cc >= (8, 0) {
         Ok((0, ARCHS[0]))
     } else {
-        Err(CudaError::NoDevice(format!(
+        Err(CudaError::Unsupported(format!(
             "compute capability {}.{} is older than 8.0 (Ampere), the oldest the kernels support",
             cc.0, cc.1
         )))
@@ -213,10 +213,7 @@ impl PtxSource {
             || {
                 let c = Compiler::new()?;
                 match version_warning(c.nvrtc_version(), driver_cuda) {
-                    Some(w) => Err(CudaError::Driver {
-                        call: "cuModuleLoadData",
-                        message: w,
-                    }),
+                    Some(w) => Err(CudaError::Unsupported(w)),
                     None => Ok(c),
                 }
             },
@@ -224,18 +221,33 @@ impl PtxSource {
         if let Some(c) = compiler {
             return Ok((PtxSource::Nvrtc(c), None));
         }
-        if let Some(w) = version_warning(NVRTC, driver_cuda) {
-            return Err(CudaError::Driver {
-                call: "cuModuleLoadData",
-                message: format!(
-                    "the embedded kernels were compiled by NVRTC {}.{} and need a driver for CUDA {}.{} or newer (R580+); {w}",
-                    NVRTC.0, NVRTC.1, NVRTC.0, NVRTC.1
-                ),
-            });
+        let source = Self::embedded_for(cc, driver_cuda).map_err(|e| match &why {
+            Some(w) => CudaError::Unsupported(format!("{e}, and NVRTC is not usable ({w})")),
+            None => e,
+        })?;
+        let why = why.map(|w| {
+            format!(
+                "{w}; using the PTX embedded in the binary ({})",
+                source.describe()
+            )
+        });
+        Ok((source, why))
+    }
+
+    /// The embedded PTX for a device of compute capability `cc` whose driver
+    /// supports CUDA `driver_cuda`.
+    ///
+    /// # Errors
+    /// A driver older than the embedded PTX's CUDA, a device older than 8.0.
+    pub fn embedded_for(cc: (i32, i32), driver_cuda: &str) -> Result<PtxSource> {
+        if too_old(NVRTC, driver_cuda) {
+            let (ma, mi) = NVRTC;
+            return Err(CudaError::Unsupported(format!(
+                "the embedded kernels were compiled by NVRTC {ma}.{mi} and need a driver for CUDA {ma}.{mi} or newer (R580+); this driver supports CUDA {driver_cuda}"
+            )));
         }
         let (_, arch) = arch_for(cc)?;
-        let why = why.map(|w| format!("{w}; using the PTX embedded in the binary ({arch})"));
-        Ok((PtxSource::Embedded { arch }, why))
+        Ok(PtxSource::Embedded { arch })
     }
 
     /// The PTX of `k` for a device of compute capability `cc` (`arch` is its
@@ -248,7 +260,7 @@ impl PtxSource {
             PtxSource::Nvrtc(c) => c.compile(k, arch),
             PtxSource::Embedded { .. } => Ok(Compiled {
                 ptx: ptx(k, cc)?.to_string(),
-                from_cache: true,
+                from_cache: false,
                 key: digest(k.source),
             }),
         }
@@ -276,14 +288,20 @@ impl PtxSource {
     }
 }
 
-/// PTX from an NVRTC newer than the driver does not load
-/// (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so before the module loads fail.
-pub fn version_warning(nvrtc: (i32, i32), driver_cuda: &str) -> Option<String> {
+/// Whether PTX from NVRTC `nvrtc` is too new for a driver supporting CUDA
+/// `driver_cuda` (`13.0`).
+fn too_old(nvrtc: (i32, i32), driver_cuda: &str) -> bool {
     let mut it = driver_cuda
         .split('.')
         .map(|p| p.parse::<i32>().unwrap_or(0));
     let driver = (it.next().unwrap_or(0), it.next().unwrap_or(0));
-    (nvrtc > driver).then(|| {
+    nvrtc > driver
+}
+
+/// PTX from an NVRTC newer than the driver does not load
+/// (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): say so before the module loads fail.
+pub fn version_warning(nvrtc: (i32, i32), driver_cuda: &str) -> Option<String> {
+    too_old(nvrtc, driver_cuda).then(|| {
         format!(
             "NVRTC {}.{} is newer than the driver's CUDA {driver_cuda}: its PTX may not load; put an NVRTC <= {driver_cuda} first (ENVELOPE_NVRTC_LIB)",
             nvrtc.0, nvrtc.1

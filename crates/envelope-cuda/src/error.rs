@@ -39,6 +39,9 @@ pub enum CudaError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The device or driver cannot run the kernels (too old).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// An environment setting with a value it does not take.
     #[error("{name}={value:?} is not a valid setting: use one of {allowed}")]
     Setting {

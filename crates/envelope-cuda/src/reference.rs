@@ -313,7 +313,7 @@ pub fn top_p_sample(logits: &[f32], temperature: f32, top_p: f32, u: f32) -> Top
         .map(|c| c.iter().filter(|&&e| e >= lo).sum())
         .collect();
     let kept: f32 = sums.iter().sum();
-    let last = w.iter().rposition(|&e| e >= lo).unwrap_or(0);
+    let last = w.iter().rposition(|&e| e >= lo && e > 0.0).unwrap_or(0);
     let target = u * kept;
     let mut cum = 0f32;
     let mut token = None;
@@ -529,6 +529,27 @@ mod tests {
         let kept: f32 = r.weights.iter().filter(|&&e| e >= r.threshold).sum();
         assert!(kept >= 0.9 * z * 0.9999);
         assert!(r.weights[r.token as usize] >= r.threshold);
+    }
+
+    /// With every token kept (top_p 1) and u at the top of [0, 1), the walk
+    /// can end short of the target by rounding; the fallback must still be
+    /// a token with weight, not a trailing -inf (padding) logit.
+    #[test]
+    fn top_p_fallback_has_weight() {
+        let mut logits: Vec<f32> = (0..49_152)
+            .map(|i| ((i * 37 % 101) as f32) * 0.05)
+            .collect();
+        let n = logits.len();
+        logits[n - 8..].fill(f32::NEG_INFINITY);
+        for k in 1..64 {
+            let u = 1.0 - k as f32 * f32::EPSILON / 2.0;
+            let r = top_p_sample(&logits, 0.8, 1.0, u);
+            assert!(
+                r.weights[r.token as usize] > 0.0,
+                "u {u}: token {}",
+                r.token
+            );
+        }
     }
 
     #[test]

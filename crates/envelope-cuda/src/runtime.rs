@@ -19,7 +19,7 @@
 //! epilogue.
 
 use crate::device::Device;
-use crate::embedded::{decide, GemmChoice, PtxSource};
+use crate::embedded::{decide, GemmChoice, KernelChoice, PtxSource};
 use crate::error::{guarded, CudaError, Result};
 use crate::geometry::{self, Launch};
 use crate::kernels::KERNELS;
@@ -388,7 +388,8 @@ impl Gpu {
     pub fn open(ordinal: usize) -> Result<Gpu> {
         let mut device = Device::open(ordinal)?;
         let cc = device.info.compute_capability;
-        let (source, kernel_note) = PtxSource::choose(cc, &device.info.driver_cuda_version)?;
+        let driver = device.info.driver_cuda_version.clone();
+        let (mut source, mut kernel_note) = PtxSource::choose(cc, &driver)?;
         let gemm = GemmChoice::from_env()?;
         // One stream only: cudarc's per-allocation events buy nothing.
         // SAFETY: every buffer is used on the default stream alone.
@@ -396,22 +397,45 @@ impl Gpu {
         keep_freed_memory_in_the_pool(&device);
         let arch = device.arch();
         let t = Instant::now();
-        let mut funcs = HashMap::new();
-        let mut cached = 0;
-        for k in KERNELS {
-            let c = source.ptx(k, cc, &arch)?;
-            cached += c.from_cache as usize;
-            let module = guarded("cuModuleLoadData", || {
-                device.ctx.load_module(cudarc::nvrtc::Ptx::from_src(c.ptx))
-            })?
-            .map_err(drv("cuModuleLoadData"))?;
-            for e in k.entries {
-                let f = module
-                    .load_function(e)
-                    .map_err(drv("cuModuleGetFunction"))?;
-                funcs.insert(e.to_string(), f);
+        let load = |source: &PtxSource| -> Result<(HashMap<String, CudaFunction>, usize)> {
+            let mut funcs = HashMap::new();
+            let mut cached = 0;
+            for k in KERNELS {
+                let c = source.ptx(k, cc, &arch)?;
+                cached += c.from_cache as usize;
+                let module = guarded("cuModuleLoadData", || {
+                    device.ctx.load_module(cudarc::nvrtc::Ptx::from_src(c.ptx))
+                })?
+                .map_err(drv("cuModuleLoadData"))?;
+                for e in k.entries {
+                    let f = module
+                        .load_function(e)
+                        .map_err(drv("cuModuleGetFunction"))?;
+                    funcs.insert(e.to_string(), f);
+                }
             }
-        }
+            Ok((funcs, cached))
+        };
+        let (funcs, cached) = match load(&source) {
+            Ok(l) => l,
+            // auto: NVRTC loaded but a kernel did not compile or load (an
+            // NVRTC too old for the GPU, missing builtins, other headers):
+            // the embedded PTX may still run.
+            Err(e)
+                if matches!(source, PtxSource::Nvrtc(_))
+                    && KernelChoice::from_env()? == KernelChoice::Auto =>
+            {
+                source = PtxSource::embedded_for(cc, &driver).map_err(|e2| {
+                    CudaError::Unsupported(format!("{e2} (after NVRTC's kernels failed: {e})"))
+                })?;
+                kernel_note = Some(format!(
+                    "{e}; using the PTX embedded in the binary ({})",
+                    source.describe()
+                ));
+                load(&source)?
+            }
+            Err(e) => return Err(e),
+        };
         let compile_seconds = t.elapsed().as_secs_f64();
         let stream = device.ctx.default_stream();
         let (blas, gemm_note) = decide(
@@ -429,19 +453,21 @@ impl Gpu {
         )?;
         let (blas, cublas_path) = blas.unzip();
         let fp8 = crate::fp8::fp8_supported(cc);
-        let lt = if fp8 && blas.is_some() {
-            let handle = guarded("cublasLtCreate", cudarc::cublaslt::result::create_handle)?
-                .map_err(lt_err("cublasLtCreate"))?;
-            let workspace = stream
-                .alloc_zeros::<u8>(LT_WORKSPACE)
-                .map_err(drv("cuMemAlloc"))?;
-            Some(Mutex::new(Lt {
-                handle,
-                workspace,
-                plans: HashMap::new(),
-            }))
+        let (lt, lt_note) = if fp8 && blas.is_some() {
+            decide(gemm == GemmChoice::Auto, true, || {
+                let handle = guarded("cublasLtCreate", cudarc::cublaslt::result::create_handle)?
+                    .map_err(lt_err("cublasLtCreate"))?;
+                let workspace = stream
+                    .alloc_zeros::<u8>(LT_WORKSPACE)
+                    .map_err(drv("cuMemAlloc"))?;
+                Ok(Mutex::new(Lt {
+                    handle,
+                    workspace,
+                    plans: HashMap::new(),
+                }))
+            })?
         } else {
-            None
+            (None, None)
         };
         if let PtxSource::Nvrtc(c) = &source {
             device.info.libraries.nvrtc = Some(c.nvrtc.path.clone());
@@ -451,6 +477,7 @@ impl Gpu {
         let fallbacks = [
             kernel_note,
             gemm_note.map(|w| format!("{w}; GEMMs run on kernels/gemm.cu")),
+            lt_note.map(|w| format!("{w}; fp8 GEMMs run on kernels/gemm.cu")),
         ];
         Ok(Gpu {
             info: RuntimeInfo {
@@ -913,10 +940,7 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<()> {
-        Self::same("gemm", x, w)?;
-        Self::need("gemm", x, rows * inner)?;
-        Self::need("gemm", w, out * inner)?;
-        Self::need("gemm", y, rows * out)?;
+        Self::dense_operands(x, w, y, rows, inner, out)?;
         let Some(blas) = &self.blas else {
             let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
             return self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None);
@@ -992,6 +1016,9 @@ impl Gpu {
                 ),
             ));
         }
+        Self::need("gemm_fp8", &x.data, rows * inner)?;
+        Self::need("gemm_fp8", &w.data, out * inner)?;
+        Self::need("gemm_fp8", y, rows * out)?;
         let Some(lt) = self.lt.as_ref() else {
             return self.gemm_kernel(
                 "gemm_fp8_bf16",
@@ -1009,9 +1036,6 @@ impl Gpu {
                 format!("cuBLASLt fp8 needs inner ({inner}) and out ({out}) multiples of 16"),
             ));
         }
-        Self::need("gemm_fp8", &x.data, rows * inner)?;
-        Self::need("gemm_fp8", &w.data, out * inner)?;
-        Self::need("gemm_fp8", y, rows * out)?;
         self.bind()?;
         let mut lt = lt
             .lock()
@@ -1117,6 +1141,28 @@ impl Gpu {
         }
     }
 
+    /// The checks of a 16-bit or f32 GEMM: same operand dtypes (fp8 has its
+    /// own call, with scales), and buffers that hold the shapes.
+    fn dense_operands(
+        x: &Buf,
+        w: &Buf,
+        y: &Buf,
+        rows: usize,
+        inner: usize,
+        out: usize,
+    ) -> Result<()> {
+        Self::same("gemm", x, w)?;
+        if !matches!(x.dtype, DType::F32 | DType::F16 | DType::Bf16) {
+            return Err(shape(
+                "gemm",
+                format!("{:?} operands: use gemm_fp8 for fp8", x.dtype),
+            ));
+        }
+        Self::need("gemm", x, rows * inner)?;
+        Self::need("gemm", w, out * inner)?;
+        Self::need("gemm", y, rows * out)
+    }
+
     /// Whether GEMMs run on cuBLAS (else on `kernels/gemm.cu`).
     pub fn has_cublas(&self) -> bool {
         self.blas.is_some()
@@ -1135,10 +1181,7 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<()> {
-        Self::same("gemm", x, w)?;
-        Self::need("gemm", x, rows * inner)?;
-        Self::need("gemm", w, out * inner)?;
-        Self::need("gemm", y, rows * out)?;
+        Self::dense_operands(x, w, y, rows, inner, out)?;
         let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
         self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None)
     }

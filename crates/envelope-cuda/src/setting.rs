@@ -69,12 +69,16 @@ pub enum Selected {
 /// why it cannot; `auto` tries device 0 and falls back to the CPU.
 pub fn select(setting: DeviceSetting) -> Result<Selected, SelectError> {
     select_with(setting, |o| {
-        Device::open(o).map(|d| {
-            format!(
-                "{} (compute capability {}.{})",
-                d.info.name, d.info.compute_capability.0, d.info.compute_capability.1
-            )
-        })
+        let d = Device::open(o)?;
+        // What `runtime::Gpu::open` would refuse before any weight loads:
+        // the settings, a kernel source for this GPU and driver.
+        crate::embedded::GemmChoice::from_env()?;
+        let (cc, driver) = (d.info.compute_capability, &d.info.driver_cuda_version);
+        crate::embedded::PtxSource::choose(cc, driver)?;
+        Ok(format!(
+            "{} (compute capability {}.{})",
+            d.info.name, cc.0, cc.1
+        ))
     })
 }
 

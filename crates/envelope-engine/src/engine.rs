@@ -315,7 +315,7 @@ impl Engine {
                     rt.gemm
                 );
                 for why in &rt.fallbacks {
-                    tracing::info!("cuda:{ordinal}: {why}");
+                    tracing::warn!("cuda:{ordinal}: {why}");
                 }
                 let engine =
                     Engine::new_cuda(loaded.model, Arc::new(loaded.tokenizer), loaded.info, cfg)?;
@@ -581,7 +581,8 @@ impl Engine {
         // logits back; each sampled sequence draws its uniform here, in row
         // order.
         let vocab = self.info.model.config.vocab_size;
-        let picks: Option<Vec<DevicePick>> = (self.runner.samples_on_device()
+        let device_sampling = self.runner.samples_on_device();
+        let picks: Option<Vec<DevicePick>> = (device_sampling
             && plan
                 .work
                 .iter()
@@ -654,6 +655,15 @@ impl Engine {
             }
             let seq = self.seqs.get_mut(&w.id).expect("scheduled sequence exists");
             let tok = match &sampled {
+                // A device-sampling runner's step that came back as logits
+                // (a top-k request was in it): the other requests still draw
+                // as the device does, so a seed gives the same tokens
+                // whatever shares the step.
+                Sampled::Logits(rows)
+                    if device_sampling && DevicePick::supports(&seq.params, vocab) =>
+                {
+                    seq.sampler.device_pick(&seq.params).pick(&rows[row])
+                }
                 Sampled::Logits(rows) => seq.sampler.sample(&rows[row], &seq.params),
                 Sampled::Tokens(t) => t[row],
             };
@@ -1080,34 +1090,50 @@ mod tests {
     }
 
     fn run_with(engine: &mut Engine, temperature: f32, top_k: usize) -> Vec<u32> {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let params = SamplingParams {
-            temperature,
-            top_p: 0.9,
-            top_k,
-            seed: Some(3),
-            ignore_eos: true,
-            ..SamplingParams::greedy(6)
-        };
-        engine
-            .add_request(
-                GenerateRequest {
-                    prompt_tokens: vec![5, 17, 99, 3],
-                    params,
-                },
-                tx,
-            )
-            .unwrap();
+        run_together(engine, &[(temperature, top_k)]).remove(0)
+    }
+
+    /// Requests (temperature, top_k) added together and run to the end:
+    /// their tokens, in order.
+    fn run_together(engine: &mut Engine, reqs: &[(f32, usize)]) -> Vec<Vec<u32>> {
+        let rxs: Vec<_> = reqs
+            .iter()
+            .map(|&(temperature, top_k)| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let params = SamplingParams {
+                    temperature,
+                    top_p: 0.9,
+                    top_k,
+                    seed: Some(3),
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(6)
+                };
+                engine
+                    .add_request(
+                        GenerateRequest {
+                            prompt_tokens: vec![5, 17, 99, 3],
+                            params,
+                        },
+                        tx,
+                    )
+                    .unwrap();
+                rx
+            })
+            .collect();
         while engine.has_work() {
             engine.step().unwrap();
         }
-        let mut out = vec![];
-        while let Ok(ev) = rx.try_recv() {
-            if let Event::Token { id, .. } = ev {
-                out.push(id);
-            }
-        }
-        out
+        rxs.into_iter()
+            .map(|mut rx| {
+                let mut out = vec![];
+                while let Ok(ev) = rx.try_recv() {
+                    if let Event::Token { id, .. } = ev {
+                        out.push(id);
+                    }
+                }
+                out
+            })
+            .collect()
     }
 
     /// With a runner that samples on its device, greedy and top-p steps go
@@ -1184,9 +1210,15 @@ mod tests {
 
         // top-k is a host cut: that request's steps copy logits.
         assert_eq!(run_with(&mut dev, 1.0, 2).len(), 6);
-        assert!(
-            logits_calls.load(Ordering::Relaxed) >= 6,
-            "top-k sampling needs logits"
-        );
+        let host_steps = logits_calls.load(Ordering::Relaxed);
+        assert!(host_steps >= 6, "top-k sampling needs logits");
+        // A top-p request sharing those steps with a top-k one still draws
+        // as the device does: its seed gives the tokens it gave alone. (A
+        // high temperature spreads the nucleus, so the host's sort-order
+        // draw would pick other tokens.)
+        let alone = run_with(&mut dev, 8.0, 0);
+        let both = run_together(&mut dev, &[(8.0, 0), (8.0, 2)]);
+        assert!(logits_calls.load(Ordering::Relaxed) > host_steps);
+        assert_eq!(both[0], alone);
     }
 }

@@ -1,6 +1,7 @@
 //! Turning logits into the next token: greedy, or temperature / top-k /
 //! top-p with a per-request seeded RNG (so a seeded request is reproducible
-//! whatever else is in the batch).
+//! whatever else is in the batch, on a given device: a GPU runner picks
+//! tokens by [`DevicePick`], the CPU by [`Sampler::sample`]).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
