@@ -39,8 +39,9 @@
 #   engine   `bench-engine --device cuda` on dummy:llama-3.2-1b through the
 #            whole engine (scheduler, paged KV, sampling), and `--device auto`.
 #   bench    `cuda-selftest --bench`: dummy:llama-3.1-8b in bf16 and fp8, prefill
-#            and decode tokens/s at batch 1/8/64 and context 1k/8k, weight bytes
-#            against the analytic size and NVML -> OUT/bench-cuda.json and .csv.
+#            and decode tokens/s at batch 1/8/64 and context 1k/8k, decode both
+#            eagerly and from CUDA graphs, weight bytes against the analytic
+#            size and NVML -> OUT/bench-cuda.json and .csv.
 # Everything printed is also in OUT/device-check.log. Exit status: 0 only when
 # every stage run passed.
 set -uo pipefail

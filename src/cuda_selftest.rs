@@ -238,7 +238,7 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
         "model,precision,phase,batch,context,steps,seconds,tok_per_s,ms_per_step,note\n",
     );
     println!(
-        "{:<22} {:<5} {:<8} {:>5} {:>6} {:>12} {:>10}",
+        "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12} {:>10}",
         "model", "prec", "phase", "batch", "ctx", "tok/s", "ms/step"
     );
     for p in [Precision::Bf16, Precision::Fp8] {
@@ -268,7 +268,7 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
         );
         for q in &r.points {
             println!(
-                "{:<22} {:<5} {:<8} {:>5} {:>6} {:>12.1} {:>10.2}{}",
+                "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12.1} {:>10.2}{}",
                 q.model,
                 q.precision.as_str(),
                 q.phase,
@@ -278,8 +278,8 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
                 q.ms_per_step,
                 q.note
                     .as_deref()
-                    .filter(|n| n.starts_with("skipped"))
-                    .map(|n| format!("  {n}"))
+                    .filter(|n| n.starts_with("skipped") || n.contains("graph"))
+                    .map(|n| format!("  {}", n.rsplit("; ").next().unwrap_or(n)))
                     .unwrap_or_default()
             );
             csv.push_str(&format!(

@@ -33,8 +33,8 @@
 //!
 //! [`runtime`] puts it together: an opened device with every kernel loaded,
 //! cuBLAS/cuBLASLt GEMMs (or the GEMM kernels) and one method per kernel;
-//! `envelope-engine`'s `cuda` module runs the model on it. Not built yet:
-//! CUDA graphs. Nothing here has run on a GPU yet.
+//! `envelope-engine`'s `cuda` module runs the model on it (with CUDA graphs
+//! for decode steps). Nothing here has run on a GPU yet.
 
 pub mod compile;
 pub mod device;

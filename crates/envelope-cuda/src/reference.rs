@@ -120,6 +120,9 @@ pub fn paged_attention(
     for s in 0..ctx.len() {
         let (q0, q1) = (cu_q[s] as usize, cu_q[s + 1] as usize);
         let n = ctx[s] as usize;
+        if n == 0 {
+            continue; // a padding row: zeros, as the kernels write
+        }
         let table = &block_tables[s * sh.max_blocks_per_seq..(s + 1) * sh.max_blocks_per_seq];
         for (i, row) in (q0..q1).enumerate() {
             let pos = n - (q1 - q0) + i;

@@ -372,6 +372,8 @@ pub struct Gpu {
     /// `None`: GEMMs run on `kernels/gemm.cu`.
     blas: Option<cudarc::cublas::CudaBlas>,
     lt: Option<Mutex<Lt>>,
+    /// cuBLAS's workspace (set with `cublasSetWorkspace`).
+    _blas_workspace: Option<CudaSlice<u8>>,
     pub info: RuntimeInfo,
 }
 
@@ -448,10 +450,30 @@ impl Gpu {
                     cudarc::cublas::CudaBlas::new(stream.clone())
                 })?
                 .map_err(blas_err("cublasCreate"))?;
-                Ok((blas, path))
+                // Our own workspace, so that no cuBLAS call allocates: a
+                // decode step captured into a CUDA graph must not.
+                let ws = stream
+                    .alloc_zeros::<u8>(LT_WORKSPACE)
+                    .map_err(drv("cuMemAlloc"))?;
+                {
+                    let (p, _r) = ws.device_ptr(&stream);
+                    // SAFETY: the handle and buffer are live; the buffer is
+                    // kept in the Gpu for as long as the handle.
+                    unsafe {
+                        blas_sys::cublasSetWorkspace_v2(
+                            *blas.handle(),
+                            p as *mut c_void,
+                            LT_WORKSPACE,
+                        )
+                    }
+                    .result()
+                    .map_err(blas_err("cublasSetWorkspace"))?;
+                }
+                Ok(((blas, ws), path))
             },
         )?;
         let (blas, cublas_path) = blas.unzip();
+        let (blas, blas_workspace) = blas.unzip();
         let fp8 = crate::fp8::fp8_supported(cc);
         let (lt, lt_note) = if fp8 && blas.is_some() {
             decide(gemm == GemmChoice::Auto, true, || {
@@ -496,6 +518,7 @@ impl Gpu {
             funcs,
             blas,
             lt,
+            _blas_workspace: blas_workspace,
         })
     }
 
@@ -1256,6 +1279,50 @@ impl Gpu {
         self.launch(&entry, l, &args)
     }
 
+    /// Copies `bytes` into the start of `dst` (a decode graph's fixed
+    /// buffers), on the stream.
+    pub fn write(&self, dst: &mut Buf, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > dst.bytes() {
+            return Err(shape(
+                "write",
+                format!("{} bytes into a buffer of {}", bytes.len(), dst.bytes()),
+            ));
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.data.slice_mut(0..bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut view)
+            .map_err(drv("cuMemcpyHtoD"))
+    }
+
+    /// [`Gpu::sample`] with the parameters already on the device and the
+    /// tokens left there (`params`: f32 `[rows * 3]`, `out`: u32 `[rows]`);
+    /// nothing is copied, so a graph can capture it.
+    pub fn sample_into(
+        &self,
+        logits: &Buf,
+        rows: usize,
+        vocab: usize,
+        params: &Buf,
+        out: &Buf,
+    ) -> Result<()> {
+        Self::need("sample", logits, rows * vocab)?;
+        Self::need("sample", params, rows * 3)?;
+        Self::need("sample", out, rows)?;
+        self.launch(
+            &format!("sample_{}", logits.dtype.suffix()),
+            geometry::sampling(rows)?,
+            &[
+                Arg::Buf(logits),
+                Arg::Buf(out),
+                Arg::I32(vocab as i32),
+                Arg::Buf(params),
+            ],
+        )
+    }
+
     /// One token per row of `[rows, vocab]` logits, picked per row by
     /// `params[3 row ..] = (temperature, top_p, u)`: greedy (the lowest
     /// index on a tie) when temperature <= 0, else top-p at the uniform u
@@ -1276,20 +1343,53 @@ impl Gpu {
         Self::need("sample", logits, rows * vocab)?;
         let p = self.upload_f32(DType::F32, params)?;
         let out = self.zeros(DType::U32, rows)?;
-        self.launch(
-            &format!("sample_{}", logits.dtype.suffix()),
-            geometry::sampling(rows)?,
-            &[
-                Arg::Buf(logits),
-                Arg::Buf(&out),
-                Arg::I32(vocab as i32),
-                Arg::Buf(&p),
-            ],
-        )?;
+        self.sample_into(logits, rows, vocab, &p, &out)?;
         let b = self.download_bytes(&out)?;
         Ok(b.chunks_exact(4)
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
+    }
+}
+
+/// A captured and instantiated CUDA graph (the engine's decode steps).
+/// `CudaGraph` holds raw driver handles and is not `Send`; a graph is made
+/// and replayed on the engine's thread, after the model moved there.
+pub struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: used by one thread at a time (the owner of the model), never
+// concurrently; the handles are valid on any thread with the context bound.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Replays the graph on the stream it was captured from.
+    pub fn launch(&self) -> Result<()> {
+        self.0.launch().map_err(drv("cuGraphLaunch"))
+    }
+}
+
+impl Gpu {
+    /// Starts capturing the stream's work into a graph instead of running
+    /// it. Thread-local mode: a call that cannot be captured (a synchronous
+    /// allocation or copy) fails the capture instead of running outside it.
+    pub fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(drv("cuStreamBeginCapture"))
+    }
+
+    /// Ends the capture (always call it after [`Gpu::begin_capture`], even
+    /// after a failure, so the stream runs work again) and instantiates the
+    /// graph, its resources uploaded.
+    pub fn end_capture(&self) -> Result<Graph> {
+        let g = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(drv("cuStreamEndCapture"))?
+            .ok_or_else(|| shape("graph", "the capture recorded nothing".into()))?;
+        g.upload().map_err(drv("cuGraphUpload"))?;
+        Ok(Graph(g))
     }
 }
 

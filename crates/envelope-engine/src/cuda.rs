@@ -15,6 +15,9 @@
 //! the same counter-based hash as on the CPU, so the two hold the same
 //! weights without shipping a file.
 
+mod graphs;
+pub use graphs::GraphStats;
+
 use crate::config::{ModelConfig, RopeStyle};
 use crate::engine::{EngineConfig, KvBudget};
 use crate::error::{EngineError, Result};
@@ -228,6 +231,8 @@ pub struct CudaModel {
     layers: Vec<DevLayer>,
     inv_freq: F32Slice,
     kv: Option<DevKv>,
+    /// Decode-step graphs (set up with the KV pool).
+    graphs: graphs::GraphSet,
     pub report: WeightReport,
 }
 
@@ -482,6 +487,7 @@ impl CudaModel {
             layers,
             inv_freq,
             kv: None,
+            graphs: graphs::GraphSet::default(),
             report,
             gpu,
         })
@@ -503,7 +509,9 @@ impl CudaModel {
         let dtype = kv_dtype(self.act, cfg.kv_dtype)?;
         let c = &self.config;
         let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.size();
-        // Free the old pool (if any) before measuring what is free.
+        // Free the old pool (if any) before measuring what is free; graphs
+        // captured over it go first.
+        self.graphs = graphs::GraphSet::default();
         self.kv = None;
         self.gpu.trim_pool();
         let (free, total) = self.gpu.mem_info()?;
@@ -555,6 +563,7 @@ impl CudaModel {
             geometry,
             dtype,
         });
+        self.graphs = graphs::GraphSet::new(cfg.scheduler.max_num_seqs);
         Ok(KvPlan {
             num_blocks,
             bytes_per_token,
@@ -581,7 +590,7 @@ impl CudaModel {
     ///
     /// # Errors
     /// As [`CudaModel::forward`].
-    pub fn forward_greedy(&self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
+    pub fn forward_greedy(&mut self, chunks: &[SeqChunk]) -> Result<Vec<u32>> {
         let rows = chunks.iter().filter(|c| c.want_logits).count();
         self.forward_sample(chunks, &vec![DevicePick::GREEDY; rows])
     }
@@ -592,7 +601,21 @@ impl CudaModel {
     ///
     /// # Errors
     /// As [`CudaModel::forward`], and a pick count that is not the row count.
-    pub fn forward_sample(&self, chunks: &[SeqChunk], picks: &[DevicePick]) -> Result<Vec<u32>> {
+    pub fn forward_sample(
+        &mut self,
+        chunks: &[SeqChunk],
+        picks: &[DevicePick],
+    ) -> Result<Vec<u32>> {
+        // Decode steps replay a captured graph when they can.
+        let mut set = std::mem::take(&mut self.graphs);
+        let replayed = self.decode_from_graph(&mut set, chunks, picks);
+        self.graphs = set;
+        if let Some(tokens) = replayed? {
+            return Ok(tokens);
+        }
+        if chunks.iter().all(|c| c.tokens.len() == 1) {
+            self.graphs.stats.eager_decode_steps += 1;
+        }
         let Some(logits) = self.forward_logits(chunks)? else {
             return Ok(Vec::new());
         };
@@ -609,6 +632,22 @@ impl CudaModel {
         Ok(self
             .gpu
             .sample(&logits.buf, logits.rows, self.config.vocab_size, &params)?)
+    }
+
+    /// How many decode graphs were captured and replayed, and decode steps
+    /// run without one.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs.stats
+    }
+
+    /// Why decode steps run without graphs (`None`: they use them).
+    pub fn graphs_off(&self) -> Option<&str> {
+        self.graphs.off.as_deref()
+    }
+
+    /// Switches decode graphs on or off (captured graphs are kept).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.set_enabled(on);
     }
 
     /// The step's `[rows, vocab]` f32 logits, left on the device.
@@ -650,7 +689,7 @@ impl CudaModel {
             logit_rows: &step.logit_rows,
             kv,
             meta: &meta,
-            dev,
+            dev: &dev,
         };
         model::forward(&self.config, &mut b, &step)
     }
@@ -679,7 +718,8 @@ struct CudaBackend<'a> {
     logit_rows: &'a [u32],
     kv: &'a DevKv,
     meta: &'a StepMeta,
-    dev: DevMeta,
+    /// Uploaded for this step, or a decode graph's fixed buffers.
+    dev: &'a DevMeta,
 }
 
 impl CudaBackend<'_> {
@@ -1174,6 +1214,50 @@ mod tests {
                     (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
                     "step {i} logit {j}: {x} vs {y}"
                 );
+            }
+            if rb.meta.is_decode {
+                // The same decode step as a CUDA graph runs it: padded to a
+                // bucket of 4 rows and 16-wide block tables (padding rows
+                // write no KV and attend to nothing). Its real rows must
+                // give the same logits.
+                let padded = rb.meta.padded(4, 16).unwrap();
+                let zero = [0u32];
+                let mut pchunks = chunks.clone();
+                pchunks.extend((0..2).map(|_| SeqChunk {
+                    tokens: &zero,
+                    start_pos: 0,
+                    block_table: &[],
+                    want_logits: true,
+                }));
+                let pstep = StepBatch::new(&pchunks);
+                let k_before = k.clone();
+                let mut pb = RefBackend {
+                    m,
+                    meta: padded,
+                    k: &mut k,
+                    v: &mut vc,
+                    block_size: bs,
+                };
+                let pgot = v(&model::forward(&m.config, &mut pb, &pstep).unwrap().unwrap());
+                let vocab = m.config.vocab_size;
+                assert_eq!(pgot.len(), 4 * vocab);
+                for (j, (x, y)) in pgot[..2 * vocab].iter().zip(&want).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                        "padded decode logit {j}: {x} vs {y}"
+                    );
+                }
+                // The real rows rewrote their own slots with the same values
+                // (to rounding: a 4-row GEMM may sum in another order); the
+                // padding rows wrote nothing.
+                for (layer, (now, was)) in k.iter().zip(&k_before).enumerate() {
+                    let worst = now
+                        .iter()
+                        .zip(was)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(worst <= 1e-5, "layer {layer}: K moved by {worst}");
+                }
             }
         }
     }

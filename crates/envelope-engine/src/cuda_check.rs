@@ -387,9 +387,9 @@ pub fn bench(
                         )),
                     ));
                 }
-                // Decode at context ctx.
+                // Decode at context ctx: eagerly, then replaying CUDA graphs.
                 let toks: Vec<u32> = synthetic_prompt(b, vocab, 99);
-                let step = |m: &crate::cuda::CudaModel, i: usize| -> crate::Result<()> {
+                let step = |m: &mut crate::cuda::CudaModel, i: usize| -> crate::Result<()> {
                     let chunks: Vec<SeqChunk> = (0..b)
                         .map(|s| SeqChunk {
                             tokens: &toks[s..s + 1],
@@ -400,21 +400,39 @@ pub fn bench(
                         .collect();
                     m.forward_greedy(&chunks).map(|_| ())
                 };
-                step(&m, 0)?;
-                let t = Instant::now();
-                for i in 1..=decode_steps {
-                    step(&m, i)?;
+                for graphs in [false, true] {
+                    m.set_graphs(graphs);
+                    let before = m.graph_stats();
+                    // Warm-up (and the capture, with graphs).
+                    step(&mut m, 0)?;
+                    let t = Instant::now();
+                    for i in 1..=decode_steps {
+                        step(&mut m, i)?;
+                    }
+                    let s = t.elapsed().as_secs_f64();
+                    let after = m.graph_stats();
+                    let mut note =
+                        "KV positions before the context were not prefilled (zeros)".to_string();
+                    if graphs {
+                        note.push_str(&match m.graphs_off() {
+                            Some(why) => format!("; graphs off: {why}"),
+                            None => format!(
+                                "; {} graph replays, {} captures",
+                                after.replayed - before.replayed,
+                                after.captured - before.captured
+                            ),
+                        });
+                    }
+                    run.points.push(point(
+                        if graphs { "decode-graphs" } else { "decode" },
+                        b,
+                        ctx,
+                        decode_steps,
+                        s,
+                        b * decode_steps,
+                        Some(note),
+                    ));
                 }
-                let s = t.elapsed().as_secs_f64();
-                run.points.push(point(
-                    "decode",
-                    b,
-                    ctx,
-                    decode_steps,
-                    s,
-                    b * decode_steps,
-                    Some("KV positions before the context were not prefilled (zeros)".into()),
-                ));
             }
         }
         Ok(())
