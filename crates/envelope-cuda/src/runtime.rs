@@ -439,7 +439,10 @@ impl Gpu {
             Err(e) => return Err(e),
         };
         let compile_seconds = t.elapsed().as_secs_f64();
-        let stream = device.ctx.default_stream();
+        // A stream of our own: CUDA cannot capture graphs on the legacy
+        // default stream. Event tracking is off (above), so cudarc's
+        // multi-stream bookkeeping adds nothing; everything runs on it.
+        let stream = device.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
         let (blas, gemm_note) = decide(
             gemm == GemmChoice::Auto,
             gemm != GemmChoice::Kernels,
@@ -552,6 +555,8 @@ impl Gpu {
                 {
                     let _ = sys::cuMemPoolTrimTo(pool, 0);
                 }
+                // And what graphs' memory nodes keep.
+                let _ = sys::cuDeviceGraphMemTrim(self.device.ctx.cu_device());
             }
         });
     }
@@ -963,11 +968,10 @@ impl Gpu {
         out: usize,
         accumulate: bool,
     ) -> Result<()> {
-        Self::dense_operands(x, w, y, rows, inner, out)?;
         let Some(blas) = &self.blas else {
-            let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
-            return self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None);
+            return self.gemm_kernels(x, w, y, rows, inner, out, accumulate);
         };
+        Self::dense_operands(x, w, y, rows, inner, out)?;
         self.bind()?;
         let d = linear_gemm(rows, inner, out);
         let (alpha, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
@@ -1030,28 +1034,9 @@ impl Gpu {
                 ),
             ));
         }
-        if y.dtype != DType::Bf16 || x.data.dtype != DType::Fp8 || w.data.dtype != DType::Fp8 {
-            return Err(shape(
-                "gemm_fp8",
-                format!(
-                    "fp8 x fp8 -> bf16 only, got {:?} x {:?} -> {:?}",
-                    x.data.dtype, w.data.dtype, y.dtype
-                ),
-            ));
-        }
-        Self::need("gemm_fp8", &x.data, rows * inner)?;
-        Self::need("gemm_fp8", &w.data, out * inner)?;
-        Self::need("gemm_fp8", y, rows * out)?;
+        Self::fp8_operands(x, w, y, rows, inner, out)?;
         let Some(lt) = self.lt.as_ref() else {
-            return self.gemm_kernel(
-                "gemm_fp8_bf16",
-                &x.data,
-                &w.data,
-                y,
-                (rows, inner, out),
-                false,
-                Some((&x.scale, &w.scale)),
-            );
+            return self.gemm_fp8_kernels(x, w, y, rows, inner, out);
         };
         if !inner.is_multiple_of(16) || !out.is_multiple_of(16) {
             return Err(shape(
@@ -1209,6 +1194,30 @@ impl Gpu {
         self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None)
     }
 
+    /// The checks of an fp8 GEMM: e4m3 operands, bf16 out, buffers that
+    /// hold the shapes.
+    fn fp8_operands(
+        x: &Fp8Buf,
+        w: &Fp8Buf,
+        y: &Buf,
+        rows: usize,
+        inner: usize,
+        out: usize,
+    ) -> Result<()> {
+        if y.dtype != DType::Bf16 || x.data.dtype != DType::Fp8 || w.data.dtype != DType::Fp8 {
+            return Err(shape(
+                "gemm_fp8",
+                format!(
+                    "fp8 x fp8 -> bf16 only, got {:?} x {:?} -> {:?}",
+                    x.data.dtype, w.data.dtype, y.dtype
+                ),
+            ));
+        }
+        Self::need("gemm_fp8", &x.data, rows * inner)?;
+        Self::need("gemm_fp8", &w.data, out * inner)?;
+        Self::need("gemm_fp8", y, rows * out)
+    }
+
     /// [`Gpu::gemm_fp8`] on `kernels/gemm.cu` even where cuBLASLt is loaded.
     pub fn gemm_fp8_kernels(
         &self,
@@ -1219,9 +1228,7 @@ impl Gpu {
         inner: usize,
         out: usize,
     ) -> Result<()> {
-        Self::need("gemm_fp8", &x.data, rows * inner)?;
-        Self::need("gemm_fp8", &w.data, out * inner)?;
-        Self::need("gemm_fp8", y, rows * out)?;
+        Self::fp8_operands(x, w, y, rows, inner, out)?;
         self.gemm_kernel(
             "gemm_fp8_bf16",
             &x.data,
@@ -1351,45 +1358,102 @@ impl Gpu {
     }
 }
 
-/// A captured and instantiated CUDA graph (the engine's decode steps).
-/// `CudaGraph` holds raw driver handles and is not `Send`; a graph is made
-/// and replayed on the engine's thread, after the model moved there.
-pub struct Graph(cudarc::driver::CudaGraph);
+/// A captured and instantiated CUDA graph (the engine's decode steps),
+/// replayed on the stream it was captured from.
+pub struct Graph {
+    graph: cudarc::driver::sys::CUgraph,
+    exec: cudarc::driver::sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+}
 
-// SAFETY: used by one thread at a time (the owner of the model), never
-// concurrently; the handles are valid on any thread with the context bound.
+// SAFETY: the handles are plain driver objects, valid on any thread with the
+// context bound (every call binds it); a graph is used by one thread at a
+// time (the owner of the model), never concurrently.
 unsafe impl Send for Graph {}
 
 impl Graph {
-    /// Replays the graph on the stream it was captured from.
+    /// Replays the graph.
     pub fn launch(&self) -> Result<()> {
-        self.0.launch().map_err(drv("cuGraphLaunch"))
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: exec and stream are live (the graph holds the stream).
+        unsafe { cudarc::driver::result::graph::launch(self.exec, self.stream.cu_stream()) }
+            .map_err(drv("cuGraphLaunch"))
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        use cudarc::driver::result::graph;
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: created by instantiate / end_capture, destroyed once.
+        unsafe {
+            let _ = graph::exec_destroy(self.exec);
+            let _ = graph::destroy(self.graph);
+        }
     }
 }
 
 impl Gpu {
+    /// Whether graphs can hold this device's allocations: stream-ordered
+    /// allocation (memory pools), which a capture records as memory nodes.
+    pub fn can_capture(&self) -> bool {
+        self.device.ctx.has_async_alloc()
+    }
+
     /// Starts capturing the stream's work into a graph instead of running
     /// it. Thread-local mode: a call that cannot be captured (a synchronous
     /// allocation or copy) fails the capture instead of running outside it.
     pub fn begin_capture(&self) -> Result<()> {
-        self.stream
-            .begin_capture(
+        self.bind()?;
+        // SAFETY: the stream is live and not capturing (end_capture always
+        // ends a capture).
+        unsafe {
+            cudarc::driver::result::stream::begin_capture(
+                self.stream.cu_stream(),
                 cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
-            .map_err(drv("cuStreamBeginCapture"))
+        }
+        .map_err(drv("cuStreamBeginCapture"))
     }
 
-    /// Ends the capture (always call it after [`Gpu::begin_capture`], even
-    /// after a failure, so the stream runs work again) and instantiates the
-    /// graph, its resources uploaded.
+    /// Ends the capture and instantiates the graph, its resources uploaded.
+    /// Call it after every [`Gpu::begin_capture`], also when the captured
+    /// work failed: the capture is ended whatever happened (an error a drop
+    /// stored meanwhile, such as a free the capture refused, is reported,
+    /// not allowed to skip the end), so the stream runs work again.
     pub fn end_capture(&self) -> Result<Graph> {
-        let g = self
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-            .map_err(drv("cuStreamEndCapture"))?
-            .ok_or_else(|| shape("graph", "the capture recorded nothing".into()))?;
-        g.upload().map_err(drv("cuGraphUpload"))?;
-        Ok(Graph(g))
+        use cudarc::driver::result::{graph, stream};
+        use cudarc::driver::sys;
+        let stored = self.device.ctx.check_err();
+        // SAFETY: the stream is live; ending a capture that was invalidated
+        // returns an error and leaves capture mode.
+        let ended = unsafe { stream::end_capture(self.stream.cu_stream()) };
+        let g = ended.map_err(drv("cuStreamEndCapture"))?;
+        if g.is_null() {
+            return Err(shape("graph", "the capture recorded nothing".into()));
+        }
+        let destroy = |e: CudaError| {
+            // SAFETY: g came from end_capture and is destroyed once.
+            let _ = unsafe { graph::destroy(g) };
+            e
+        };
+        stored.map_err(drv("during the capture")).map_err(destroy)?;
+        // SAFETY: g is a valid captured graph.
+        let exec = unsafe { graph::instantiate(g, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(drv("cuGraphInstantiate"))
+            .map_err(destroy)?;
+        let out = Graph {
+            graph: g,
+            exec,
+            stream: self.stream.clone(),
+        };
+        // SAFETY: exec and stream are live.
+        unsafe { graph::upload(out.exec, self.stream.cu_stream()) }
+            .map_err(drv("cuGraphUpload"))?;
+        Ok(out)
     }
 }
 

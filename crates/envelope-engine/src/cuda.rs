@@ -239,8 +239,10 @@ pub struct CudaModel {
 impl Drop for CudaModel {
     fn drop(&mut self) {
         // The buffers and handles free themselves on the device's context,
-        // which may not be current on the dropping thread.
+        // which may not be current on the dropping thread. Graphs go first:
+        // they reference the modules and library handles `gpu` owns.
         let _ = self.gpu.bind();
+        self.graphs = graphs::GraphSet::default();
     }
 }
 
@@ -563,7 +565,7 @@ impl CudaModel {
             geometry,
             dtype,
         });
-        self.graphs = graphs::GraphSet::new(cfg.scheduler.max_num_seqs);
+        self.graphs = graphs::GraphSet::new(cfg.scheduler.max_num_seqs, self.gpu.can_capture());
         Ok(KvPlan {
             num_blocks,
             bytes_per_token,
@@ -642,7 +644,7 @@ impl CudaModel {
 
     /// Why decode steps run without graphs (`None`: they use them).
     pub fn graphs_off(&self) -> Option<&str> {
-        self.graphs.off.as_deref()
+        self.graphs.off()
     }
 
     /// Switches decode graphs on or off (captured graphs are kept).

@@ -7,15 +7,21 @@
 //! into a graph reading fixed device buffers, and every later step of that
 //! shape writes its metadata into those buffers and replays the graph.
 //!
-//! Padding rows are inert: token 0 at position 0, KV slot -1 (the append
-//! kernel skips it), context length 0 (attention writes zeros), a greedy
-//! pick that is never read. `StepMeta::padded` is the host side, tested on
-//! the CPU against the kernels' references.
+//! Padding rows repeat the first row (its token, position, block table and
+//! context) with KV slot -1, which the append kernel skips: they write
+//! nothing, and their activations equal row 0's, so fp8's per-tensor
+//! activation scales (absmax over all rows) are the unpadded step's.
+//! Their greedy picks are never read. `StepMeta::padded` is the host side,
+//! tested on the CPU against the kernels' references.
 //!
-//! Anything the capture cannot take (a library that allocates, an API the
-//! capture mode refuses) ends the capture with an error: graphs are then
-//! switched off for the model with a warning, and steps run eagerly.
-//! `ENVELOPE_CUDA_GRAPHS=0` switches them off from the start.
+//! The first step of a shape runs eagerly on the graph's own buffers (which
+//! loads every library kernel it needs, so none loads inside the capture,
+//! and gives that step's tokens), then is captured. Anything the capture
+//! or a replay cannot take (a library that allocates, an API the capture
+//! mode refuses, a failed launch) switches graphs off for the model with a
+//! warning, and steps run eagerly. `ENVELOPE_CUDA_GRAPHS=0` switches them
+//! off from the start. The first step of every (bucket, width) pays for a
+//! capture (a few milliseconds per layer group): `graph_stats` counts them.
 
 use super::{CudaBackend, CudaModel, DevKv, DevMeta, StepMeta};
 use crate::error::{EngineError, Result};
@@ -35,7 +41,8 @@ pub fn width_class(blocks: usize) -> usize {
 
 /// One (bucket, width) graph and the buffers it reads and writes.
 struct DecodeGraph {
-    graph: Graph,
+    /// `None` only while it is being made.
+    graph: Option<Graph>,
     meta: DevMeta,
     /// `[bucket * 3]` f32: temperature, top_p, u per row.
     params: Buf,
@@ -55,33 +62,51 @@ pub struct GraphStats {
 pub struct GraphSet {
     buckets: Vec<usize>,
     graphs: HashMap<(usize, usize), DecodeGraph>,
-    /// Why graphs are off; `None` while they are on.
-    pub off: Option<String>,
+    /// Why graphs cannot be used (the setting, the device, a failure):
+    /// `None` while they can.
+    pub unusable: Option<String>,
+    /// Switched off by the caller (the bench measures both ways).
+    pub paused: bool,
     pub stats: GraphStats,
 }
 
 impl GraphSet {
     /// Graphs for batches up to `max_num_seqs`, unless
-    /// `ENVELOPE_CUDA_GRAPHS=0`.
-    pub fn new(max_num_seqs: usize) -> GraphSet {
-        let off = match std::env::var("ENVELOPE_CUDA_GRAPHS").as_deref() {
+    /// `ENVELOPE_CUDA_GRAPHS=0` or the device cannot capture allocations.
+    pub fn new(max_num_seqs: usize, can_capture: bool) -> GraphSet {
+        let unusable = match std::env::var("ENVELOPE_CUDA_GRAPHS").as_deref() {
             Ok("0") | Ok("off") | Ok("false") => Some("ENVELOPE_CUDA_GRAPHS=0".to_string()),
+            _ if !can_capture => {
+                Some("the device has no stream-ordered allocation (memory pools)".to_string())
+            }
             _ => None,
         };
         GraphSet {
             buckets: geometry::graph_buckets(max_num_seqs),
-            off,
+            unusable,
             ..GraphSet::default()
         }
     }
 
-    /// Switches graphs on or off (the bench measures both).
+    /// Why decode steps run without graphs now (`None`: they use them).
+    pub fn off(&self) -> Option<&str> {
+        match (&self.unusable, self.paused) {
+            (Some(why), _) => Some(why),
+            (None, true) => Some("switched off"),
+            (None, false) => None,
+        }
+    }
+
+    /// Pauses or resumes graphs; what made them unusable stays.
     pub fn set_enabled(&mut self, on: bool) {
-        self.off = if on {
-            None
-        } else {
-            Some("switched off".into())
-        };
+        self.paused = !on;
+    }
+
+    /// Gives graphs up for this model: a capture or replay failed.
+    fn fail(&mut self, why: String) {
+        tracing::warn!("{why}; decode steps run without CUDA graphs");
+        self.unusable = Some(why);
+        self.graphs.clear();
     }
 }
 
@@ -109,18 +134,30 @@ impl StepMeta {
                 self.max_blocks_per_seq
             )));
         }
+        if n == 0 {
+            return Err(bad("an empty step has nothing to pad".into()));
+        }
+        // Rows n.. repeat row 0's table (and below its position and context).
         let mut tables = vec![0i32; bucket * width];
-        for s in 0..n {
-            let row = &self.tables[s * self.max_blocks_per_seq..(s + 1) * self.max_blocks_per_seq];
+        for s in 0..bucket {
+            let src = if s < n { s } else { 0 };
+            let row =
+                &self.tables[src * self.max_blocks_per_seq..(src + 1) * self.max_blocks_per_seq];
             tables[s * width..s * width + row.len()].copy_from_slice(row);
         }
         let pad = bucket - n;
+        let repeat = |v: &[i32]| -> Vec<i32> {
+            v.iter()
+                .copied()
+                .chain(std::iter::repeat_n(v[0], pad))
+                .collect()
+        };
         Ok(StepMeta {
             positions: self
                 .positions
                 .iter()
                 .copied()
-                .chain(std::iter::repeat_n(0, pad))
+                .chain(std::iter::repeat_n(self.positions[0], pad))
                 .collect(),
             slots: self
                 .slots
@@ -130,12 +167,7 @@ impl StepMeta {
                 .collect(),
             tables,
             max_blocks_per_seq: width,
-            context_lens: self
-                .context_lens
-                .iter()
-                .copied()
-                .chain(std::iter::repeat_n(0, pad))
-                .collect(),
+            context_lens: repeat(&self.context_lens),
             cu_q_lens: (0..=bucket as i32).collect(),
             max_q_len: 1,
             is_decode: true,
@@ -143,10 +175,11 @@ impl StepMeta {
     }
 }
 
-/// `[bucket]` token ids and `[bucket * 3]` pick parameters, padded.
+/// `[bucket]` token ids (padding repeats the first) and `[bucket * 3]` pick
+/// parameters (padding picks greedily).
 pub fn padded_inputs(ids: &[u32], picks: &[DevicePick], bucket: usize) -> (Vec<u32>, Vec<f32>) {
     let mut t = ids.to_vec();
-    t.resize(bucket, 0);
+    t.resize(bucket, ids.first().copied().unwrap_or(0));
     let mut p: Vec<f32> = picks
         .iter()
         .flat_map(|p| [p.temperature, p.top_p, p.u])
@@ -170,7 +203,7 @@ impl CudaModel {
         };
         let step = StepBatch::new(chunks);
         let n = step.ids.len();
-        if set.off.is_some()
+        if set.off().is_some()
             || n == 0
             || !step.is_decode()
             || step.logit_rows.len() != n
@@ -191,60 +224,87 @@ impl CudaModel {
         let meta = StepMeta::build(&step, kv.geometry.block_size)?;
         let width = width_class(meta.max_blocks_per_seq);
         let padded = meta.padded(bucket, width)?;
-        let g = match set.graphs.entry((bucket, width)) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(slot) => {
-                match self.capture(kv, &padded, bucket) {
-                    Ok(g) => {
-                        set.stats.captured += 1;
-                        slot.insert(g)
-                    }
-                    Err(e) => {
-                        let why =
-                            format!("capturing a decode graph ({bucket} x {width}) failed: {e}");
-                        tracing::warn!("{why}; decode steps run without CUDA graphs");
-                        set.off = Some(why);
-                        set.graphs.clear();
-                        return Ok(None);
-                    }
-                }
-            }
-        };
-        let gpu = &self.gpu;
         let (ids, params) = padded_inputs(&step.ids, picks, bucket);
-        write_meta(gpu, &mut g.meta, &ids, &padded)?;
-        gpu.write(&mut g.params, &le_bytes(&params, f32::to_le_bytes))?;
-        g.graph.launch()?;
-        let b = gpu.download_bytes(&g.tokens)?;
-        set.stats.replayed += 1;
-        Ok(Some(
-            b.chunks_exact(4)
-                .take(n)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ))
+        let tokens = match set.graphs.get_mut(&(bucket, width)) {
+            Some(g) => match self.replay(g, &ids, &params, &padded) {
+                Ok(t) => {
+                    set.stats.replayed += 1;
+                    t
+                }
+                Err(e) => {
+                    set.fail(format!(
+                        "replaying a decode graph ({bucket} x {width}) failed: {e}"
+                    ));
+                    return Ok(None);
+                }
+            },
+            None => match self.capture(kv, &padded, &ids, &params) {
+                Ok((g, t)) => {
+                    set.graphs.insert((bucket, width), g);
+                    set.stats.captured += 1;
+                    t
+                }
+                Err(e) => {
+                    set.fail(format!(
+                        "capturing a decode graph ({bucket} x {width}) failed: {e}"
+                    ));
+                    return Ok(None);
+                }
+            },
+        };
+        Ok(Some(tokens[..n].to_vec()))
     }
 
-    /// Captures the forward pass and pick of a `bucket`-row decode step
-    /// shaped as `padded`, reading the returned graph's buffers.
-    fn capture(&self, kv: &DevKv, padded: &StepMeta, bucket: usize) -> Result<DecodeGraph> {
+    /// Writes the step into a graph's buffers, replays it, reads the tokens.
+    fn replay(
+        &self,
+        g: &mut DecodeGraph,
+        ids: &[u32],
+        params: &[f32],
+        padded: &StepMeta,
+    ) -> Result<Vec<u32>> {
+        write_inputs(&self.gpu, g, ids, params, padded)?;
+        g.graph
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidSetting {
+                field: "cuda graphs",
+                message: "a graph that was never captured".into(),
+            })?
+            .launch()?;
+        read_tokens(&self.gpu, &g.tokens)
+    }
+
+    /// Makes the graph of a decode step shaped as `padded`: runs the step
+    /// eagerly on the graph's own buffers first (its tokens are returned,
+    /// and every library kernel it needs is loaded before the capture),
+    /// then captures the same work, which does not run.
+    fn capture(
+        &self,
+        kv: &DevKv,
+        padded: &StepMeta,
+        ids: &[u32],
+        params: &[f32],
+    ) -> Result<(DecodeGraph, Vec<u32>)> {
         let gpu = &self.gpu;
-        let meta = DevMeta {
-            ids: gpu.zeros(DType::U32, bucket)?,
-            positions: gpu.zeros(DType::U32, bucket)?,
-            slots: gpu.zeros(DType::I64, bucket)?,
-            tables: gpu.zeros(DType::I32, padded.tables.len())?,
-            context_lens: gpu.zeros(DType::I32, bucket)?,
-            cu_q_lens: gpu.zeros(DType::I32, bucket + 1)?,
-            logit_rows: gpu.upload(
-                DType::U32,
-                &le_bytes(&(0..bucket as u32).collect::<Vec<_>>(), u32::to_le_bytes),
-            )?,
+        let bucket = ids.len();
+        let rows: Vec<u32> = (0..bucket as u32).collect();
+        let mut g = DecodeGraph {
+            graph: None,
+            meta: DevMeta {
+                ids: gpu.zeros(DType::U32, bucket)?,
+                positions: gpu.zeros(DType::U32, bucket)?,
+                slots: gpu.zeros(DType::I64, bucket)?,
+                tables: gpu.zeros(DType::I32, padded.tables.len())?,
+                context_lens: gpu.zeros(DType::I32, bucket)?,
+                cu_q_lens: gpu.zeros(DType::I32, bucket + 1)?,
+                logit_rows: gpu.upload(DType::U32, &le_bytes(&rows, u32::to_le_bytes))?,
+            },
+            params: gpu.zeros(DType::F32, bucket * 3)?,
+            tokens: gpu.zeros(DType::U32, bucket)?,
         };
-        let params = gpu.zeros(DType::F32, bucket * 3)?;
-        let tokens = gpu.zeros(DType::U32, bucket)?;
+        write_inputs(gpu, &mut g, ids, params, padded)?;
         // The shape the backend sees: `bucket` one-token chunks, every row
-        // sampled; its metadata comes from the buffers above.
+        // sampled; its metadata comes from the graph's buffers.
         let zero = [0u32];
         let chunks: Vec<SeqChunk> = (0..bucket)
             .map(|_| SeqChunk {
@@ -255,41 +315,60 @@ impl CudaModel {
             })
             .collect();
         let step = StepBatch::new(&chunks);
-        gpu.synchronize()?;
-        gpu.begin_capture()?;
-        let recorded = (|| -> Result<()> {
+        let run = || -> Result<()> {
             let mut b = CudaBackend {
                 m: self,
                 logit_rows: &step.logit_rows,
                 kv,
                 meta: padded,
-                dev: &meta,
+                dev: &g.meta,
             };
             let logits = model::forward(&self.config, &mut b, &step)?.ok_or_else(|| {
                 EngineError::InvalidSetting {
                     field: "cuda graphs",
-                    message: "the captured step produced no logits".into(),
+                    message: "the step produced no logits".into(),
                 }
             })?;
             gpu.sample_into(
                 &logits.buf,
                 bucket,
                 self.config.vocab_size,
-                &params,
-                &tokens,
+                &g.params,
+                &g.tokens,
             )?;
             Ok(())
-        })();
+        };
+        run()?;
+        let tokens = read_tokens(gpu, &g.tokens)?;
+        gpu.begin_capture()?;
+        let recorded = run();
         // Always end the capture, so the stream is usable after a failure.
         let graph = gpu.end_capture();
         recorded?;
-        Ok(DecodeGraph {
-            graph: graph?,
-            meta,
-            params,
-            tokens,
-        })
+        g.graph = Some(graph?);
+        Ok((g, tokens))
     }
+}
+
+/// Writes a padded step into a graph's buffers (ids, metadata, picks).
+fn write_inputs(
+    gpu: &Gpu,
+    g: &mut DecodeGraph,
+    ids: &[u32],
+    params: &[f32],
+    padded: &StepMeta,
+) -> Result<()> {
+    write_meta(gpu, &mut g.meta, ids, padded)?;
+    gpu.write(&mut g.params, &le_bytes(params, f32::to_le_bytes))?;
+    Ok(())
+}
+
+/// The tokens a graph (or its warm-up) picked.
+fn read_tokens(gpu: &Gpu, tokens: &Buf) -> Result<Vec<u32>> {
+    let b = gpu.download_bytes(tokens)?;
+    Ok(b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
 }
 
 /// Writes a padded step's metadata into a graph's buffers.
@@ -334,9 +413,10 @@ mod tests {
     #[test]
     fn padding_keeps_the_real_rows_and_makes_the_rest_inert() {
         let p = decode_meta().padded(4, 16).unwrap();
-        assert_eq!(p.positions, vec![5, 9, 0, 0]);
+        // Padding rows repeat row 0 and write no KV (slot -1).
+        assert_eq!(p.positions, vec![5, 9, 5, 5]);
         assert_eq!(p.slots, vec![37, 9, -1, -1]);
-        assert_eq!(p.context_lens, vec![6, 10, 0, 0]);
+        assert_eq!(p.context_lens, vec![6, 10, 6, 6]);
         assert_eq!(p.cu_q_lens, vec![0, 1, 2, 3, 4]);
         assert_eq!(
             (p.max_blocks_per_seq, p.max_q_len, p.is_decode),
@@ -345,10 +425,9 @@ mod tests {
         assert_eq!(p.tables.len(), 64);
         assert_eq!(&p.tables[..3], &[7, 9, 0]);
         assert_eq!(&p.tables[16..19], &[1, 3, 2]);
-        assert!(p.tables[19..32]
-            .iter()
-            .chain(&p.tables[32..])
-            .all(|&b| b == 0));
+        assert_eq!(&p.tables[32..35], &[7, 9, 0]);
+        assert_eq!(&p.tables[48..51], &[7, 9, 0]);
+        assert!(p.tables[19..32].iter().all(|&b| b == 0));
         // An exact fit is the identity on the real rows.
         let same = decode_meta().padded(2, 3).unwrap();
         assert_eq!(same, decode_meta());
@@ -375,24 +454,31 @@ mod tests {
     }
 
     #[test]
-    fn padded_inputs_are_greedy_token_zero() {
+    fn padded_inputs_repeat_the_first_token_and_pick_greedily() {
         let picks = [DevicePick {
             temperature: 0.7,
             top_p: 0.9,
             u: 0.25,
         }];
         let (ids, params) = padded_inputs(&[42], &picks, 2);
-        assert_eq!(ids, vec![42, 0]);
+        assert_eq!(ids, vec![42, 42]);
         assert_eq!(params, vec![0.7, 0.9, 0.25, 0.0, 0.0, 0.0]);
     }
 
     #[test]
-    fn graphs_can_be_switched_off() {
-        let mut s = GraphSet::new(64);
+    fn pausing_does_not_undo_what_made_graphs_unusable() {
+        let mut s = GraphSet::new(64, true);
         assert_eq!(s.buckets, vec![1, 2, 4, 8, 16, 32, 64]);
+        let env_off = std::env::var("ENVELOPE_CUDA_GRAPHS").is_ok_and(|v| v == "0");
+        assert_eq!(s.off().is_none(), !env_off);
         s.set_enabled(false);
-        assert!(s.off.is_some());
+        assert!(s.off().is_some());
         s.set_enabled(true);
-        assert!(s.off.is_none() || std::env::var("ENVELOPE_CUDA_GRAPHS").is_ok());
+        assert_eq!(s.off().is_none(), !env_off);
+        s.fail("a capture failed".into());
+        s.set_enabled(true);
+        assert_eq!(s.off(), Some("a capture failed"));
+        let no_pools = GraphSet::new(64, false);
+        assert!(no_pools.off().is_some());
     }
 }
