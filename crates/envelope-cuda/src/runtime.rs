@@ -394,7 +394,7 @@ impl Gpu {
         let (mut source, mut kernel_note) = PtxSource::choose(cc, &driver)?;
         let gemm = GemmChoice::from_env()?;
         // One stream only: cudarc's per-allocation events buy nothing.
-        // SAFETY: every buffer is used on the default stream alone.
+        // SAFETY: every buffer is used on the one stream made below alone.
         unsafe { device.ctx.disable_event_tracking() };
         keep_freed_memory_in_the_pool(&device);
         let arch = device.arch();
@@ -1387,7 +1387,8 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         use cudarc::driver::result::graph;
-        let _ = self.stream.context().bind_to_thread();
+        let ctx = self.stream.context();
+        ctx.record_err(ctx.bind_to_thread());
         // SAFETY: created by instantiate / end_capture, destroyed once.
         unsafe {
             let _ = graph::exec_destroy(self.exec);
@@ -1431,7 +1432,13 @@ impl Gpu {
         // SAFETY: the stream is live; ending a capture that was invalidated
         // returns an error and leaves capture mode.
         let ended = unsafe { stream::end_capture(self.stream.cu_stream()) };
-        let g = ended.map_err(drv("cuStreamEndCapture"))?;
+        let g = ended.map_err(|e| CudaError::Driver {
+            call: "cuStreamEndCapture",
+            message: match &stored {
+                Ok(()) => format!("{e:?}"),
+                Err(s) => format!("{e:?} (and during the capture: {s:?})"),
+            },
+        })?;
         if g.is_null() {
             return Err(shape("graph", "the capture recorded nothing".into()));
         }

@@ -1219,20 +1219,18 @@ mod tests {
             }
             if rb.meta.is_decode {
                 // The same decode step as a CUDA graph runs it: padded to a
-                // bucket of 4 rows and 16-wide block tables (padding rows
-                // write no KV and attend to nothing). Its real rows must
-                // give the same logits.
+                // bucket of 4 rows and 16-wide block tables. Padding rows
+                // repeat the shortest-context row (b's, row 1: its token,
+                // position and table, as `padded_inputs` repeats its id)
+                // and write no KV. Real rows give the same logits, padding
+                // rows row 1's, and the cache is unchanged.
                 let padded = rb.meta.padded(4, 16).unwrap();
-                let zero = [0u32];
+                let r = rb.meta.pad_row();
+                assert_eq!(r, 1);
                 let mut pchunks = chunks.clone();
-                pchunks.extend((0..2).map(|_| SeqChunk {
-                    tokens: &zero,
-                    start_pos: 0,
-                    block_table: &[],
-                    want_logits: true,
-                }));
+                pchunks.extend((0..2).map(|_| chunks[r]));
                 let pstep = StepBatch::new(&pchunks);
-                let k_before = k.clone();
+                let (k_before, v_before) = (k.clone(), vc.clone());
                 let mut pb = RefBackend {
                     m,
                     meta: padded,
@@ -1249,10 +1247,18 @@ mod tests {
                         "padded decode logit {j}: {x} vs {y}"
                     );
                 }
+                let row1 = &want[vocab..2 * vocab];
+                for pad in [2, 3] {
+                    let got = &pgot[pad * vocab..(pad + 1) * vocab];
+                    for (x, y) in got.iter().zip(row1) {
+                        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "padding row {pad}");
+                    }
+                }
                 // The real rows rewrote their own slots with the same values
                 // (to rounding: a 4-row GEMM may sum in another order); the
                 // padding rows wrote nothing.
-                for (layer, (now, was)) in k.iter().zip(&k_before).enumerate() {
+                let caches = k.iter().zip(&k_before).chain(vc.iter().zip(&v_before));
+                for (layer, (now, was)) in caches.enumerate() {
                     let worst = now
                         .iter()
                         .zip(was)

@@ -7,10 +7,11 @@
 //! into a graph reading fixed device buffers, and every later step of that
 //! shape writes its metadata into those buffers and replays the graph.
 //!
-//! Padding rows repeat the first row (its token, position, block table and
-//! context) with KV slot -1, which the append kernel skips: they write
-//! nothing, and their activations equal row 0's, so fp8's per-tensor
-//! activation scales (absmax over all rows) are the unpadded step's.
+//! Padding rows repeat the real row with the shortest context (its token,
+//! position, block table and context, so their attention costs least) with
+//! KV slot -1, which the append kernel skips: they write nothing, and their
+//! activations equal that row's, so fp8's per-tensor activation scales
+//! (absmax over all rows) are the unpadded step's.
 //! Their greedy picks are never read. `StepMeta::padded` is the host side,
 //! tested on the CPU against the kernels' references.
 //!
@@ -90,6 +91,9 @@ impl GraphSet {
 
     /// Why decode steps run without graphs now (`None`: they use them).
     pub fn off(&self) -> Option<&str> {
+        if self.buckets.is_empty() {
+            return Some("no KV pool yet");
+        }
         match (&self.unusable, self.paused) {
             (Some(why), _) => Some(why),
             (None, true) => Some("switched off"),
@@ -111,6 +115,14 @@ impl GraphSet {
 }
 
 impl StepMeta {
+    /// The real row padding rows repeat: the shortest context (the first
+    /// such row).
+    pub fn pad_row(&self) -> usize {
+        (0..self.context_lens.len())
+            .min_by_key(|&i| self.context_lens[i])
+            .unwrap_or(0)
+    }
+
     /// This decode step's metadata padded to `bucket` rows and block tables
     /// `width` wide: the fixed shape a graph was captured for.
     ///
@@ -118,6 +130,9 @@ impl StepMeta {
     /// Not a decode step, more rows than the bucket, or a table wider than
     /// `width`.
     pub fn padded(&self, bucket: usize, width: usize) -> Result<StepMeta> {
+        // Padding rows copy a real row (so fp8's per-tensor absmax is the
+        // unpadded step's) with KV slot -1 (so they write nothing); the row
+        // with the shortest context, so their attention costs least.
         let n = self.context_lens.len();
         let bad = |m: String| EngineError::InvalidSetting {
             field: "cuda graphs",
@@ -137,10 +152,11 @@ impl StepMeta {
         if n == 0 {
             return Err(bad("an empty step has nothing to pad".into()));
         }
-        // Rows n.. repeat row 0's table (and below its position and context).
+        // Rows n.. repeat the pad row's table, position and context.
+        let r = self.pad_row();
         let mut tables = vec![0i32; bucket * width];
         for s in 0..bucket {
-            let src = if s < n { s } else { 0 };
+            let src = if s < n { s } else { r };
             let row =
                 &self.tables[src * self.max_blocks_per_seq..(src + 1) * self.max_blocks_per_seq];
             tables[s * width..s * width + row.len()].copy_from_slice(row);
@@ -149,7 +165,7 @@ impl StepMeta {
         let repeat = |v: &[i32]| -> Vec<i32> {
             v.iter()
                 .copied()
-                .chain(std::iter::repeat_n(v[0], pad))
+                .chain(std::iter::repeat_n(v[r], pad))
                 .collect()
         };
         Ok(StepMeta {
@@ -157,7 +173,7 @@ impl StepMeta {
                 .positions
                 .iter()
                 .copied()
-                .chain(std::iter::repeat_n(self.positions[0], pad))
+                .chain(std::iter::repeat_n(self.positions[r], pad))
                 .collect(),
             slots: self
                 .slots
@@ -175,11 +191,17 @@ impl StepMeta {
     }
 }
 
-/// `[bucket]` token ids (padding repeats the first) and `[bucket * 3]` pick
+/// `[bucket]` token ids (padding repeats row `pad_row`'s, as
+/// [`StepMeta::padded`] repeats its metadata) and `[bucket * 3]` pick
 /// parameters (padding picks greedily).
-pub fn padded_inputs(ids: &[u32], picks: &[DevicePick], bucket: usize) -> (Vec<u32>, Vec<f32>) {
+pub fn padded_inputs(
+    ids: &[u32],
+    picks: &[DevicePick],
+    bucket: usize,
+    pad_row: usize,
+) -> (Vec<u32>, Vec<f32>) {
     let mut t = ids.to_vec();
-    t.resize(bucket, ids.first().copied().unwrap_or(0));
+    t.resize(bucket, ids.get(pad_row).copied().unwrap_or(0));
     let mut p: Vec<f32> = picks
         .iter()
         .flat_map(|p| [p.temperature, p.top_p, p.u])
@@ -224,7 +246,7 @@ impl CudaModel {
         let meta = StepMeta::build(&step, kv.geometry.block_size)?;
         let width = width_class(meta.max_blocks_per_seq);
         let padded = meta.padded(bucket, width)?;
-        let (ids, params) = padded_inputs(&step.ids, picks, bucket);
+        let (ids, params) = padded_inputs(&step.ids, picks, bucket, meta.pad_row());
         let tokens = match set.graphs.get_mut(&(bucket, width)) {
             Some(g) => match self.replay(g, &ids, &params, &padded) {
                 Ok(t) => {
@@ -235,6 +257,7 @@ impl CudaModel {
                     set.fail(format!(
                         "replaying a decode graph ({bucket} x {width}) failed: {e}"
                     ));
+                    self.gpu.trim_pool();
                     return Ok(None);
                 }
             },
@@ -248,6 +271,7 @@ impl CudaModel {
                     set.fail(format!(
                         "capturing a decode graph ({bucket} x {width}) failed: {e}"
                     ));
+                    self.gpu.trim_pool();
                     return Ok(None);
                 }
             },
@@ -341,7 +365,15 @@ impl CudaModel {
         run()?;
         let tokens = read_tokens(gpu, &g.tokens)?;
         gpu.begin_capture()?;
-        let recorded = run();
+        // A panic must not leave the stream capturing: caught, the capture
+        // is ended below and the panic becomes the error.
+        let recorded =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).unwrap_or_else(|_| {
+                Err(EngineError::InvalidSetting {
+                    field: "cuda graphs",
+                    message: "a panic while capturing".into(),
+                })
+            });
         // Always end the capture, so the stream is usable after a failure.
         let graph = gpu.end_capture();
         recorded?;
@@ -413,7 +445,9 @@ mod tests {
     #[test]
     fn padding_keeps_the_real_rows_and_makes_the_rest_inert() {
         let p = decode_meta().padded(4, 16).unwrap();
-        // Padding rows repeat row 0 and write no KV (slot -1).
+        // Padding rows repeat the shortest-context row (row 0 here) and
+        // write no KV (slot -1).
+        assert_eq!(decode_meta().pad_row(), 0);
         assert_eq!(p.positions, vec![5, 9, 5, 5]);
         assert_eq!(p.slots, vec![37, 9, -1, -1]);
         assert_eq!(p.context_lens, vec![6, 10, 6, 6]);
@@ -431,6 +465,23 @@ mod tests {
         // An exact fit is the identity on the real rows.
         let same = decode_meta().padded(2, 3).unwrap();
         assert_eq!(same, decode_meta());
+    }
+
+    #[test]
+    fn padding_repeats_the_shortest_context() {
+        let m = StepMeta {
+            context_lens: vec![10, 6],
+            positions: vec![9, 5],
+            slots: vec![9, 37],
+            tables: vec![1, 3, 2, 7, 9, 0],
+            ..decode_meta()
+        };
+        assert_eq!(m.pad_row(), 1);
+        let p = m.padded(3, 16).unwrap();
+        assert_eq!(p.context_lens, vec![10, 6, 6]);
+        assert_eq!(p.positions, vec![9, 5, 5]);
+        assert_eq!(p.slots, vec![9, 37, -1]);
+        assert_eq!(&p.tables[32..35], &[7, 9, 0]);
     }
 
     #[test]
@@ -460,8 +511,9 @@ mod tests {
             top_p: 0.9,
             u: 0.25,
         }];
-        let (ids, params) = padded_inputs(&[42], &picks, 2);
+        let (ids, params) = padded_inputs(&[42], &picks, 2, 0);
         assert_eq!(ids, vec![42, 42]);
+        assert_eq!(padded_inputs(&[7, 42], &picks, 4, 1).0, vec![7, 42, 42, 42]);
         assert_eq!(params, vec![0.7, 0.9, 0.25, 0.0, 0.0, 0.0]);
     }
 
@@ -480,5 +532,6 @@ mod tests {
         assert_eq!(s.off(), Some("a capture failed"));
         let no_pools = GraphSet::new(64, false);
         assert!(no_pools.off().is_some());
+        assert_eq!(GraphSet::default().off(), Some("no KV pool yet"));
     }
 }
