@@ -17,6 +17,9 @@ pub struct BenchReport {
     pub kv_dtype: String,
     /// `cpu` or `cuda:N`.
     pub device: String,
+    /// What ran the steps: `cpu`, or the GPU with its kernel source, GEMM
+    /// path and CUDA graph use.
+    pub backend: String,
     pub weight_bytes: usize,
     pub threads: usize,
     pub cpu: String,
@@ -143,6 +146,7 @@ fn run_in_pool(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
         precision: info.weights.formats.join("+"),
         kv_dtype: cfg.kv_dtype.to_string(),
         device: placement.to_string(),
+        backend: engine.info.backend.clone(),
         weight_bytes: info.weights.total_bytes,
         threads: std::env::var("RAYON_NUM_THREADS")
             .ok()
@@ -168,6 +172,9 @@ pub fn print_table(r: &BenchReport) {
         "  machine    {} x {} threads, KV {}, device {}",
         r.cpu, r.threads, r.kv_dtype, r.device
     );
+    if r.backend != "cpu" {
+        println!("  backend    {}", r.backend);
+    }
     println!();
     println!("  {:<34} {:>12}", "measurement", "tok/s");
     println!(

@@ -136,6 +136,7 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| info.name.clone());
     let ei = &handle.info;
+    tracing::info!("backend: {}", ei.backend);
     tracing::info!(
         "KV cache: {} blocks x {} tokens = {} tokens, {:.1} MiB ({} bytes/token, {}); max model len {}",
         ei.kv_blocks_total,

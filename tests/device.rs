@@ -106,6 +106,15 @@ fn cpu_is_the_default_and_says_nothing_about_cuda() {
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(r.status.success(), "{err}");
     assert!(!err.contains("--device"), "{err}");
+    // The report says what ran the steps.
+    let mut json = SMALL_BENCH.to_vec();
+    json.push("--json");
+    let r = envelope(&json);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success());
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(report["backend"], "cpu", "{out}");
+    assert_eq!(report["device"], "cpu", "{out}");
 }
 
 #[test]

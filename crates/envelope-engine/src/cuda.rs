@@ -636,6 +636,29 @@ impl CudaModel {
             .sample(&logits.buf, logits.rows, self.config.vocab_size, &params)?)
     }
 
+    /// `cuda:0 NVIDIA H200 (compute_90); kernels: nvrtc 13.0 (...); GEMMs:
+    /// cublas; CUDA graphs: enabled`, with `auto`'s fallbacks: what a profile or
+    /// report measured with.
+    pub fn describe(&self) -> String {
+        let (d, rt) = (&self.gpu.device.info, &self.gpu.info);
+        let mut s = format!(
+            "cuda:{} {} ({}); kernels: {}; GEMMs: {}; CUDA graphs: {}",
+            d.ordinal,
+            d.name,
+            rt.arch,
+            rt.kernels,
+            rt.gemm,
+            match self.graphs_off() {
+                None => "enabled".to_string(),
+                Some(why) => format!("off ({why})"),
+            }
+        );
+        for f in &rt.fallbacks {
+            s.push_str(&format!("; fallback: {f}"));
+        }
+        s
+    }
+
     /// How many decode graphs were captured and replayed, and decode steps
     /// run without one.
     pub fn graph_stats(&self) -> GraphStats {

@@ -154,6 +154,9 @@ pub struct EngineInfo {
     pub kv_capacity_tokens: usize,
     pub max_model_len: usize,
     pub scheduler: SchedulerConfig,
+    /// Where the model runs and on what: `cpu`, or the GPU with its kernel
+    /// source, GEMM path and graph use ([`StepRunner::describe`]).
+    pub backend: String,
 }
 
 struct Sequence {
@@ -180,6 +183,11 @@ impl Sequence {
 pub trait StepRunner: Send {
     /// One f32 logits row per chunk that wants logits, in chunk order.
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>>;
+
+    /// What runs the steps, for reports: `cpu` unless said otherwise.
+    fn describe(&self) -> String {
+        "cpu".into()
+    }
 
     /// Whether [`StepRunner::forward_sample`] picks tokens where the logits
     /// are (a GPU), saving their `[rows, vocab]` copy to the host.
@@ -224,6 +232,9 @@ impl StepRunner for CpuRunner {
 impl StepRunner for crate::cuda::CudaModel {
     fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
         crate::cuda::CudaModel::forward(self, chunks)
+    }
+    fn describe(&self) -> String {
+        crate::cuda::CudaModel::describe(self)
     }
     fn samples_on_device(&self) -> bool {
         true
@@ -453,6 +464,7 @@ impl Engine {
             kv_capacity_tokens: num_blocks * cfg.block_size,
             max_model_len,
             scheduler: cfg.scheduler.clone(),
+            backend: runner.describe(),
         };
         Engine {
             eos: mc.eos_token_ids.clone(),

@@ -278,6 +278,7 @@ mod tests {
             batch_policy: "continuous".into(),
             max_num_seqs: 8,
             memory: MemoryReport::default(),
+            backend: None,
             buckets: vec![bucket(32), bucket(64)],
             error: None,
         };

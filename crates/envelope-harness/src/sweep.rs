@@ -487,6 +487,7 @@ fn run_point(
         batch_policy: point.policy.clone(),
         max_num_seqs: cfg.max_num_seqs,
         memory: MemoryReport::default(),
+        backend: None,
         buckets: vec![],
         error: None,
     };
@@ -499,6 +500,7 @@ fn run_point(
         }
     };
     result.memory = session.memory.clone();
+    result.backend = session.engine.as_ref().map(|e| e.info.backend.clone());
     let open_loop_mode = cfg.load.is_open_loop();
     let (lo, hi) = if open_loop_mode {
         let step = cfg.load.rate_step_per_s;

@@ -212,6 +212,9 @@ dataset = "{}"
     let cfg = BenchConfig::parse(&text, Path::new("dataset.toml")).unwrap();
     let out = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {});
     assert!(out.profile.configs[0].error.is_none());
+    // The profile says what ran the engine (the CPU here; on a GPU the
+    // kernel source, GEMM path and graphs).
+    assert_eq!(out.profile.configs[0].backend.as_deref(), Some("cpu"));
     assert!(!out.requests.is_empty());
     for r in &out.requests {
         assert_eq!((r.input_tokens, r.output_tokens), (40, 4), "{r:?}");

@@ -178,6 +178,11 @@ pub struct ConfigResult {
     pub batch_policy: String,
     pub max_num_seqs: u32,
     pub memory: MemoryReport,
+    /// The embedded engine's backend: `cpu`, or the GPU with its kernel
+    /// source, GEMM path (cuBLAS or envelope's kernels) and CUDA graph use,
+    /// so that figures from different paths are not taken for each other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
     pub buckets: Vec<BucketResult>,
     /// Set when the configuration failed (OOM, crash): a data point, not the end.
     pub error: Option<String>,

@@ -63,6 +63,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
             kv_dtype: "f32".into(),
             batch_policy: "continuous".into(),
             max_num_seqs: 16,
+            backend: None,
             memory: MemoryReport {
                 weight_bytes: 1000,
                 weight_bytes_analytic: 1000,

@@ -135,6 +135,7 @@ fn profile() -> Profile {
             kv_dtype: "f16".into(),
             batch_policy: "continuous".into(),
             max_num_seqs: 64,
+            backend: None,
             memory: MemoryReport {
                 kv_capacity_tokens: 1_000_000,
                 ..Default::default()
