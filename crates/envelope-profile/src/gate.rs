@@ -550,6 +550,18 @@ pub fn gate(baseline: &Profile, candidate: &Profile, rules: &GateRules) -> GateR
             names(&ck)
         ));
     }
+    // The same engine on another backend (cuBLAS or envelope's GEMM
+    // kernels, graphs on or off) measures other tok/s: said, not hidden.
+    if let (Some(a), Some(b)) = (&bc.backend, &cc.backend) {
+        if a != b {
+            report.differences.push(Difference {
+                field: "config.backend".into(),
+                baseline: a.clone().into(),
+                candidate: b.clone().into(),
+                kind: "note".into(),
+            });
+        }
+    }
     if bc.batch_policy != cc.batch_policy {
         report.differences.push(Difference {
             field: "config.batch_policy".into(),

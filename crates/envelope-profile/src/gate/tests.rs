@@ -175,6 +175,20 @@ fn a_better_candidate_passes_per_bucket() {
         r.differences
     );
     assert!(r.differences.iter().any(|d| d.field == "precision"));
+    // Another backend is reported with both values, as a note.
+    let mut on_kernels = b.clone();
+    on_kernels.configs[0].backend = Some("cuda:0 H200; GEMMs: kernels".into());
+    let mut on_cublas = a.clone();
+    on_cublas.configs[0].backend = Some("cuda:0 H200; GEMMs: cublas".into());
+    let rb = gate(&on_cublas, &on_kernels, &GateRules::default_rules());
+    let d = rb
+        .differences
+        .iter()
+        .find(|d| d.field == "config.backend")
+        .expect("a backend difference");
+    assert_eq!(d.kind, "note");
+    assert_eq!(d.candidate, "cuda:0 H200; GEMMs: kernels");
+    assert!(!r.differences.iter().any(|d| d.field == "config.backend"));
     let md = markdown(&r);
     assert!(
         md.contains("# Gate: PASS") && md.contains("## Bucket 64x32"),
