@@ -8,15 +8,29 @@
 # model files: the models are `dummy:` presets generated on the device. Run
 # from the repository root:
 #
-#   scripts/device-check.sh [OUT] [STAGES]   # OUT defaults to $OUT, else device-check-out
-#                                            # STAGES: comma list of kernels,driver-only,gemm,models,engine,bench (default: all)
+#   scripts/device-check.sh [--bundle] [OUT] [STAGES]
+#       OUT     defaults to $OUT, else device-check-out
+#       STAGES  comma list, run in the order given; default (most wanted
+#               first): kernels,models,bench,driver-only,gemm,engine
+#   DEVICE_CHECK_BUDGET=S   stop starting stages after S seconds: each stage's
+#               timeout is cut to what is left (less 10 s to pack the
+#               results), a stage with under 20 s left is skipped and logged
+#   --bundle    the stages write into a scratch folder, and OUT holds only
+#               device-check.log and device-check.tar.gz (all the results),
+#               the archive refreshed after every stage, so a run killed
+#               part-way still returns what finished. For a machine that
+#               returns few files (the lent device machine returns 8).
 #
 # Nothing here has run on a GPU yet, so the real durations are unknown. Each
 # stage has a timeout (below), so a hang costs at most that: kernels 120 s,
-# kernel-cache 30 s, driver-only 60 + 120 s, gemm 90 s, models 180 s, engine
-# 90 + 30 s, bench 300 s (1020 s in all). A device call is limited to 600 s:
-# run it in two calls, `kernels,driver-only,models` and then
-# `gemm,engine,bench`.
+# kernel-cache 30 s, models 180 s, bench 300 s, driver-only 60 + 120 s, gemm
+# 90 s, engine 90 + 30 s (1020 s in all). On the lent device machine (15
+# minutes of device time per session, 600 s per call, start-up included) run
+# it once, within a budget that leaves room for one short rerun:
+#   run(command: "DEVICE_CHECK_BUDGET=420 scripts/device-check.sh --bundle $OUT",
+#       carry: ["target/release/envelope"], timeout_s: 450)
+# The bench and GEMM stages print and write (CSV) each point as it is
+# measured, so a stage cut by its timeout keeps the points it reached.
 # Stages:
 #   kernels  `envelope cuda-selftest`: device and NVML facts, every kernel in
 #            kernels/ compiled by the machine's NVRTC (libnvrtc.so.13 from the
@@ -42,26 +56,28 @@
 #            and decode tokens/s at batch 1/8/64 and context 1k/8k, decode both
 #            eagerly and from CUDA graphs, weight bytes against the analytic
 #            size and NVML -> OUT/bench-cuda.json and .csv.
-# Everything printed is also in OUT/device-check.log. Exit status: 0 only when
-# every stage run passed.
+# Everything printed is also in OUT/device-check.log, which ends with a table
+# of the stages (exit status and seconds). Exit status: 0 when every stage
+# ran and passed, 1 when one failed, 2 for bad arguments or a missing
+# binary, 3 when none failed but the budget skipped some.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${ENVELOPE_BIN:-target/release/envelope}
+bundle=0
+if [ "${1:-}" = "--bundle" ]; then
+  bundle=1
+  shift
+fi
 DEST=${1:-${OUT:-device-check-out}}
-STAGES=${2:-kernels,driver-only,gemm,models,engine,bench}
+STAGES=${2:-kernels,models,bench,driver-only,gemm,engine}
+BUDGET=${DEVICE_CHECK_BUDGET:-}
 mkdir -p "$DEST"
-# A fresh kernel cache, so the run measures the compile too.
-export ENVELOPE_KERNEL_CACHE=$(mktemp -d)
-export ENVELOPE_LOG=${ENVELOPE_LOG:-warn}
 LOG="$DEST/device-check.log"
-status=0
-
-if [ ! -x "$BIN" ]; then
-  echo "device-check: $BIN is missing (build it with cargo build --release and carry it)" | tee "$LOG"
+: >"$LOG"
+if [ -n "$BUDGET" ] && ! [[ "$BUDGET" =~ ^[0-9]+$ ]]; then
+  echo "device-check: DEVICE_CHECK_BUDGET must be a whole number of seconds, not '$BUDGET'" | tee -a "$LOG"
   exit 2
 fi
-
-want() { [[ ",$STAGES," == *",$1,"* ]]; }
 for s in ${STAGES//,/ }; do
   case "$s" in
     kernels | driver-only | gemm | models | engine | bench) ;;
@@ -71,18 +87,55 @@ for s in ${STAGES//,/ }; do
       ;;
   esac
 done
+if [ ! -x "$BIN" ]; then
+  echo "device-check: $BIN is missing (build it with cargo build --release and carry it)" | tee -a "$LOG"
+  exit 2
+fi
 
-# run NAME TIMEOUT CMD...: runs a stage, logs it, records a failure.
+# Where the stages write: OUT itself, or with --bundle a scratch folder
+# packed into OUT/device-check.tar.gz after every stage.
+if [ "$bundle" = 1 ]; then
+  RES=$(mktemp -d)
+else
+  RES=$DEST
+fi
+# A fresh kernel cache, so the run measures the compile too.
+export ENVELOPE_KERNEL_CACHE=$(mktemp -d)
+export ENVELOPE_LOG=${ENVELOPE_LOG:-warn}
+status=0
+skipped=0
+summary=()
+
+pack() {
+  [ "$bundle" = 1 ] || return 0
+  cp "$LOG" "$RES/device-check.log"
+  tar -czf "$DEST/.device-check.tar.gz" -C "$RES" . && mv "$DEST/.device-check.tar.gz" "$DEST/device-check.tar.gz"
+}
+
+# run NAME TIMEOUT CMD...: runs a stage under its timeout (cut to the
+# budget), logs it, records a failure or a skip, packs the results.
 run() {
   local name=$1 limit=$2
   shift 2
-  echo "== $name: $*" | tee -a "$LOG"
+  if [ -n "$BUDGET" ]; then
+    local left=$((BUDGET - SECONDS - 10))
+    if [ "$left" -lt 20 ]; then
+      echo "== $name: skipped, ${left} s of the ${BUDGET} s budget left" | tee -a "$LOG"
+      summary+=("$(printf '%-22s %8s %6s' "$name" skipped -)")
+      skipped=1
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  echo "== $name (limit $limit s): $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   case "$rc" in 124 | 137) echo "$name: killed after $limit s" | tee -a "$LOG" ;; esac
   echo "== $name: exit $rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  summary+=("$(printf '%-22s %8s %6s' "$name" "exit $rc" "$((SECONDS - t0))")")
   [ "$rc" = 0 ] || status=1
+  pack
   return 0
 }
 
@@ -97,48 +150,59 @@ run() {
   else
     echo "nvidia-smi: not on PATH"
   fi
+  echo "stages: $STAGES; budget: ${BUDGET:-none}; results: $RES"
   echo "ENVELOPE_KERNEL_CACHE=$ENVELOPE_KERNEL_CACHE"
-} 2>&1 | tee "$LOG"
+} 2>&1 | tee -a "$LOG"
 
-if want kernels; then
-  run kernels 120 "$BIN" cuda-selftest --out "$DEST"
-  run kernel-cache 30 "$BIN" cuda-selftest --out "$DEST/second-run"
-  # Only NVRTC compiles are cached (embedded PTX needs no compile).
-  if grep -q '"kernels": "nvrtc' "$DEST/second-run/selftest.json" 2>/dev/null &&
-    grep -q '"from_cache": false' "$DEST/second-run/selftest.json"; then
-    echo "kernel-cache: some compiles of the second run did not come from the cache" | tee -a "$LOG"
-    status=1
-  fi
-fi
-
-if want driver-only; then
-  only=(env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels)
-  run driver-only-kernels 60 "${only[@]}" "$BIN" cuda-selftest --out "$DEST/driver-only"
-  run driver-only-models 120 "${only[@]}" "$BIN" cuda-selftest --models \
-    --check-models dummy:smollm2-135m --out "$DEST/driver-only"
-fi
-
-if want gemm; then
-  run gemm 90 "$BIN" cuda-selftest --gemm-bench --out "$DEST"
-fi
-
-if want models; then
-  run models 180 "$BIN" cuda-selftest --models --out "$DEST"
-fi
-
-if want engine; then
-  run engine-cuda 90 "$BIN" bench-engine --device cuda --model dummy:llama-3.2-1b \
-    --precision bf16 --prompt-tokens 512 --decode-tokens 32 --decode-prompt-tokens 128 \
-    --concurrency 1,8,64 --kv-cache-bytes 8GiB --json
-  run engine-auto 30 "$BIN" bench-engine --device auto --model dummy:smollm2-135m \
-    --prompt-tokens 64 --decode-tokens 8 --decode-prompt-tokens 16 --concurrency 1 \
-    --kv-cache-bytes 256MiB
-fi
-
-if want bench; then
-  run bench 300 "$BIN" cuda-selftest --bench --out "$DEST"
-fi
+for stage in ${STAGES//,/ }; do
+  case "$stage" in
+    kernels)
+      run kernels 120 "$BIN" cuda-selftest --out "$RES"
+      run kernel-cache 30 "$BIN" cuda-selftest --out "$RES/second-run"
+      # Only NVRTC compiles are cached (embedded PTX needs no compile).
+      if grep -q '"kernels": "nvrtc' "$RES/second-run/selftest.json" 2>/dev/null &&
+        grep -q '"from_cache": false' "$RES/second-run/selftest.json"; then
+        echo "kernel-cache: some compiles of the second run did not come from the cache" | tee -a "$LOG"
+        status=1
+      fi
+      ;;
+    driver-only)
+      only=(env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels)
+      run driver-only-kernels 60 "${only[@]}" "$BIN" cuda-selftest --out "$RES/driver-only"
+      run driver-only-models 120 "${only[@]}" "$BIN" cuda-selftest --models \
+        --check-models dummy:smollm2-135m --out "$RES/driver-only"
+      ;;
+    gemm)
+      run gemm 90 "$BIN" cuda-selftest --gemm-bench --out "$RES"
+      ;;
+    models)
+      run models 180 "$BIN" cuda-selftest --models --out "$RES"
+      ;;
+    engine)
+      run engine-cuda 90 "$BIN" bench-engine --device cuda --model dummy:llama-3.2-1b \
+        --precision bf16 --prompt-tokens 512 --decode-tokens 32 --decode-prompt-tokens 128 \
+        --concurrency 1,8,64 --kv-cache-bytes 8GiB --json
+      run engine-auto 30 "$BIN" bench-engine --device auto --model dummy:smollm2-135m \
+        --prompt-tokens 64 --decode-tokens 8 --decode-prompt-tokens 16 --concurrency 1 \
+        --kv-cache-bytes 256MiB
+      ;;
+    bench)
+      run bench 300 "$BIN" cuda-selftest --bench --out "$RES"
+      ;;
+  esac
+done
 
 rm -rf "$ENVELOPE_KERNEL_CACHE"
-echo "== device-check exit status $status; results in $DEST" | tee -a "$LOG"
+[ "$status" = 0 ] && [ "$skipped" = 1 ] && status=3
+{
+  echo "== stages                 status      s"
+  printf '%s\n' "${summary[@]}"
+  if [ "$bundle" = 1 ]; then
+    echo "== device-check exit status $status in $SECONDS s; results in $DEST/device-check.tar.gz"
+  else
+    echo "== device-check exit status $status in $SECONDS s; results in $RES"
+  fi
+} | tee -a "$LOG"
+pack
+[ "$bundle" = 1 ] && rm -rf "$RES"
 exit "$status"

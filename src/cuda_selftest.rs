@@ -113,6 +113,53 @@ fn write_json(path: &std::path::Path, v: &impl serde::Serialize) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// A CSV file written a row at a time and flushed after each, so a run
+/// stopped part-way (a timeout) leaves the rows it measured.
+struct CsvOut {
+    path: std::path::PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+    error: Option<std::io::Error>,
+}
+
+impl CsvOut {
+    fn create(path: &std::path::Path, header: &str) -> Result<Self> {
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+        }
+        let file =
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        let mut out = CsvOut {
+            path: path.to_path_buf(),
+            file: std::io::BufWriter::new(file),
+            error: None,
+        };
+        out.row(header);
+        Ok(out)
+    }
+
+    /// Appends one line; the first write error is kept for `finish`.
+    fn row(&mut self, line: &str) {
+        use std::io::Write;
+        if self.error.is_none() {
+            if let Err(e) = writeln!(self.file, "{line}").and_then(|_| self.file.flush()) {
+                self.error = Some(e);
+            }
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        match self.error {
+            Some(e) => Err(e).with_context(|| format!("writing {}", self.path.display())),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A free-text CSV field: commas and line breaks would split the row.
+fn csv_field(s: &str) -> String {
+    s.replace([',', '\n', '\r'], ";")
+}
+
 fn models(args: &CudaSelftestArgs) -> Result<()> {
     let mut all = Vec::new();
     println!(
@@ -174,15 +221,15 @@ fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
         "{} ({}), kernels: {}, GEMMs: {}",
         gpu.device.info.name, gpu.info.arch, gpu.info.kernels, gpu.info.gemm
     );
-    let points = run(&gpu, &LLAMA_8B, &[1, 8, 64, 512, 4096]);
-    let mut csv = String::from(
-        "shape,dtype,path,rows,inner,out,calls,us_per_call,tflops,weight_gb_per_s,error\n",
-    );
+    let mut csv = CsvOut::create(
+        &args.out.join("gemm-bench.csv"),
+        "shape,dtype,path,rows,inner,out,calls,us_per_call,tflops,weight_gb_per_s,error",
+    )?;
     println!(
         "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11} {:>8} {:>9}",
         "shape", "dtype", "path", "rows", "inner", "out", "us/call", "TFLOP/s", "W GB/s"
     );
-    for p in &points {
+    let points = run(&gpu, &LLAMA_8B, &[1, 8, 64, 512, 4096], |p| {
         println!(
             "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11.1} {:>8.1} {:>9.0}{}",
             p.shape,
@@ -199,8 +246,8 @@ fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
                 .map(|e| format!(" ERROR {e}"))
                 .unwrap_or_default()
         );
-        csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{:.2},{:.3},{:.1},{}\n",
+        csv.row(&format!(
+            "{},{},{},{},{},{},{},{:.2},{:.3},{:.1},{}",
             p.shape,
             p.dtype,
             p.path,
@@ -211,14 +258,14 @@ fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
             p.us_per_call,
             p.tflops,
             p.weight_gb_per_s,
-            p.error.as_deref().unwrap_or("").replace(',', ";")
+            csv_field(p.error.as_deref().unwrap_or(""))
         ));
-    }
+    });
+    csv.finish()?;
     write_json(
         &args.out.join("gemm-bench.json"),
         &serde_json::json!({ "device": gpu.device.info, "runtime": gpu.info, "points": points }),
     )?;
-    std::fs::write(args.out.join("gemm-bench.csv"), csv)?;
     println!("wrote {}/gemm-bench.json and .csv", args.out.display());
     if points.iter().any(|p| p.error.is_some()) {
         bail!("a GEMM point failed (see above)");
@@ -234,13 +281,15 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
             .and_then(|n| n.sample(ordinal, None).memory_used_bytes)
     };
     let mut runs = Vec::new();
-    let mut csv = String::from(
-        "model,precision,phase,batch,context,steps,seconds,tok_per_s,ms_per_step,note\n",
-    );
+    let mut csv = CsvOut::create(
+        &args.out.join("bench-cuda.csv"),
+        "model,precision,phase,batch,context,steps,seconds,tok_per_s,ms_per_step,note",
+    )?;
     println!(
         "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12} {:>10}",
         "model", "prec", "phase", "batch", "ctx", "tok/s", "ms/step"
     );
+    let json = args.out.join("bench-cuda.json");
     for p in [Precision::Bf16, Precision::Fp8] {
         let r = cuda_check::bench(
             &args.bench_model,
@@ -252,6 +301,36 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
             8,
             16_384,
             &used,
+            &mut |q| {
+                println!(
+                    "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12.1} {:>10.2}{}",
+                    q.model,
+                    q.precision.as_str(),
+                    q.phase,
+                    q.batch,
+                    q.context,
+                    q.tok_per_s,
+                    q.ms_per_step,
+                    q.note
+                        .as_deref()
+                        .filter(|n| n.starts_with("skipped") || n.contains("graph"))
+                        .map(|n| format!("  {}", n.rsplit("; ").next().unwrap_or(n)))
+                        .unwrap_or_default()
+                );
+                csv.row(&format!(
+                    "{},{},{},{},{},{},{:.6},{:.2},{:.3},{}",
+                    q.model,
+                    q.precision.as_str(),
+                    q.phase,
+                    q.batch,
+                    q.context,
+                    q.steps,
+                    q.seconds,
+                    q.tok_per_s,
+                    q.ms_per_step,
+                    csv_field(q.note.as_deref().unwrap_or(""))
+                ));
+            },
         );
         println!(
             "{} {}: weights {:.2} GiB (analytic {:.2} GiB, NVML +{:.2} GiB), loaded in {:.1} s{}",
@@ -266,43 +345,36 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
                 .map(|e| format!(" ERROR {e}"))
                 .unwrap_or_default()
         );
-        for q in &r.points {
-            println!(
-                "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12.1} {:>10.2}{}",
-                q.model,
-                q.precision.as_str(),
-                q.phase,
-                q.batch,
-                q.context,
-                q.tok_per_s,
-                q.ms_per_step,
-                q.note
-                    .as_deref()
-                    .filter(|n| n.starts_with("skipped") || n.contains("graph"))
-                    .map(|n| format!("  {}", n.rsplit("; ").next().unwrap_or(n)))
-                    .unwrap_or_default()
-            );
-            csv.push_str(&format!(
-                "{},{},{},{},{},{},{:.6},{:.2},{:.3},{}\n",
-                q.model,
-                q.precision.as_str(),
-                q.phase,
-                q.batch,
-                q.context,
-                q.steps,
-                q.seconds,
-                q.tok_per_s,
-                q.ms_per_step,
-                q.note.as_deref().unwrap_or("").replace(',', ";")
-            ));
-        }
         runs.push(r);
+        // After each precision, so a run stopped in the second keeps the first.
+        write_json(&json, &runs)?;
     }
-    write_json(&args.out.join("bench-cuda.json"), &runs)?;
-    std::fs::write(args.out.join("bench-cuda.csv"), csv)?;
-    println!("wrote {}/bench-cuda.json and .csv", args.out.display());
+    csv.finish()?;
+    println!("wrote {} and bench-cuda.csv", json.display());
     if runs.iter().any(|r| r.error.is_some()) {
         bail!("a bench run failed (see above)");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn csv_rows_are_on_disk_as_soon_as_they_are_written() {
+        let dir = std::env::temp_dir().join(format!("envelope-csvout-{}", std::process::id()));
+        let path = dir.join("sub/points.csv");
+        let mut csv = CsvOut::create(&path, "a,b").unwrap();
+        csv.row(&format!("1,{}", csv_field("x, y\nz")));
+        // Read before finish (as after a kill): the header and row are there.
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "a,b\n1,x; y;z\n");
+        csv.row("2,w");
+        csv.finish().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a,b\n1,x; y;z\n2,w\n"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -208,7 +208,7 @@ fn device_check_script_runs_its_stages_and_reports() {
     for want in [
         "== kernels:",
         "== kernel-cache:",
-        "== driver-only-kernels: env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
+        "== driver-only-kernels (limit 60 s): env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
         "== driver-only-models:",
         "== gemm:",
         "== engine-cuda:",
@@ -219,7 +219,14 @@ fn device_check_script_runs_its_stages_and_reports() {
         assert!(log.contains(want), "missing {want:?} in\n{log}");
     }
     assert!(names_a_reason(&log), "{log}");
-    assert!(!log.contains("== models:") && !log.contains("== bench:"));
+    assert!(!log.contains("== models") && !log.contains("== bench"));
+    // The stages run in the order asked for, and the closing table lists each.
+    let at = |w: &str| log.find(w).unwrap_or_else(|| panic!("no {w:?} in\n{log}"));
+    assert!(
+        at("== kernels (") < at("== driver-only-kernels (")
+            && at("== gemm (") < at("== engine-cuda (")
+    );
+    assert!(log.contains("engine-auto              exit 0"), "{log}");
     assert!(out.join("selftest.json").is_file());
     assert!(out.join("driver-only/selftest.json").is_file());
     // A stage name the script does not know is refused, not skipped.
@@ -234,5 +241,75 @@ fn device_check_script_runs_its_stages_and_reports() {
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `--bundle` with a budget, as on the lent device machine (which returns 8
+/// files): OUT holds the log and one archive of every result; stages run in
+/// the order given, and a stage the budget cannot fit is skipped and logged.
+#[test]
+fn device_check_bundles_its_results_and_keeps_to_its_budget() {
+    if gpu_present() {
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("envelope-device-bundle-{}", std::process::id()));
+    let check = |stages: &str, budget: &str| {
+        let _ = std::fs::remove_dir_all(&out);
+        Command::new("bash")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/device-check.sh"
+            ))
+            .arg("--bundle")
+            .arg(&out)
+            .arg(stages)
+            .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
+            .env("ENVELOPE_LOG", "warn")
+            .env("DEVICE_CHECK_BUDGET", budget)
+            .env_remove("ENVELOPE_DEVICE")
+            .output()
+            .unwrap()
+    };
+    // A budget that fits both stages: both run, in the order given.
+    let r = check("engine,kernels", "600");
+    let stdout = String::from_utf8_lossy(&r.stdout);
+    assert_eq!(r.status.code(), Some(1), "{stdout}");
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["device-check.log", "device-check.tar.gz"]);
+    let log = std::fs::read_to_string(out.join("device-check.log")).unwrap();
+    assert!(
+        log.find("== engine-cuda (").unwrap() < log.find("== kernels (").unwrap(),
+        "{log}"
+    );
+    assert!(log.contains("device-check.tar.gz"), "{log}");
+    let list = Command::new("tar")
+        .arg("tzf")
+        .arg(out.join("device-check.tar.gz"))
+        .output()
+        .unwrap();
+    let list = String::from_utf8_lossy(&list.stdout);
+    for want in [
+        "./selftest.json",
+        "./second-run/selftest.json",
+        "./device-check.log",
+    ] {
+        assert!(list.lines().any(|l| l == want), "{want} not in\n{list}");
+    }
+    // A budget too small for any stage: each is skipped and logged, and the
+    // status says "incomplete" (3), not "passed".
+    let r = check("kernels,bench", "5");
+    assert_eq!(r.status.code(), Some(3));
+    let log = std::fs::read_to_string(out.join("device-check.log")).unwrap();
+    assert!(
+        log.contains("== kernels: skipped") && log.contains("== bench: skipped"),
+        "{log}"
+    );
+    assert!(!log.contains("cuda-selftest --bench"), "{log}");
+    // A budget that is not a number is refused.
+    assert_eq!(check("kernels", "5m").status.code(), Some(2));
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -68,8 +68,15 @@ pub struct GemmPoint {
 /// Times every shape of `shapes` at every row count, in bf16
 /// and (where the device has fp8) fp8, on cuBLAS when it is loaded and on
 /// the kernels. Each point: two warm-up calls, then calls until 50 ms or 50
-/// calls (at least 3), one synchronisation at the end.
-pub fn run(gpu: &Gpu, shapes: &[GemmShape], rows_list: &[usize]) -> Vec<GemmPoint> {
+/// calls (at least 3), one synchronisation at the end. `on_point` sees each
+/// point as soon as it is timed (so a run stopped part-way has printed what
+/// it measured).
+pub fn run(
+    gpu: &Gpu,
+    shapes: &[GemmShape],
+    rows_list: &[usize],
+    mut on_point: impl FnMut(&GemmPoint),
+) -> Vec<GemmPoint> {
     let mut points = Vec::new();
     let paths: &[&'static str] = if gpu.has_cublas() {
         &["cublas", "kernels"]
@@ -101,6 +108,7 @@ pub fn run(gpu: &Gpu, shapes: &[GemmShape], rows_list: &[usize]) -> Vec<GemmPoin
                     if let Err(e) = time_point(gpu, &mut p) {
                         p.error = Some(e.to_string());
                     }
+                    on_point(&p);
                     points.push(p);
                 }
             }

@@ -290,6 +290,7 @@ pub fn bench(
     decode_steps: usize,
     max_prefill_tokens: usize,
     device_used: &dyn Fn() -> Option<u64>,
+    on_point: &mut dyn FnMut(&BenchPoint),
 ) -> BenchRun {
     let mut run = BenchRun {
         model: spec.into(),
@@ -347,6 +348,10 @@ pub fn bench(
                 ms_per_step: seconds * 1e3 / steps.max(1) as f64,
                 note,
             };
+        let mut emit = |q: BenchPoint, points: &mut Vec<BenchPoint>| {
+            on_point(&q);
+            points.push(q);
+        };
         for &ctx in contexts {
             for &b in batches {
                 // Prefill: whole prompts in one step.
@@ -371,21 +376,26 @@ pub fn bench(
                     let t = Instant::now();
                     m.forward_greedy(&chunks)?;
                     let s = t.elapsed().as_secs_f64();
-                    run.points
-                        .push(point("prefill", b, ctx, 1, s, b * ctx, None));
+                    emit(
+                        point("prefill", b, ctx, 1, s, b * ctx, None),
+                        &mut run.points,
+                    );
                 } else {
-                    run.points.push(point(
-                        "prefill",
-                        b,
-                        ctx,
-                        0,
-                        f64::NAN,
-                        0,
-                        Some(format!(
+                    emit(
+                        point(
+                            "prefill",
+                            b,
+                            ctx,
+                            0,
+                            f64::NAN,
+                            0,
+                            Some(format!(
                             "skipped: {} prompt tokens in one step is over {max_prefill_tokens}",
                             b * ctx
                         )),
-                    ));
+                        ),
+                        &mut run.points,
+                    );
                 }
                 // Decode at context ctx: eagerly, then replaying CUDA graphs.
                 let toks: Vec<u32> = synthetic_prompt(b, vocab, 99);
@@ -423,15 +433,18 @@ pub fn bench(
                             ),
                         });
                     }
-                    run.points.push(point(
-                        if graphs { "decode-graphs" } else { "decode" },
-                        b,
-                        ctx,
-                        decode_steps,
-                        s,
-                        b * decode_steps,
-                        Some(note),
-                    ));
+                    emit(
+                        point(
+                            if graphs { "decode-graphs" } else { "decode" },
+                            b,
+                            ctx,
+                            decode_steps,
+                            s,
+                            b * decode_steps,
+                            Some(note),
+                        ),
+                        &mut run.points,
+                    );
                 }
             }
         }
@@ -507,6 +520,7 @@ mod tests {
             2,
             64,
             &|| None,
+            &mut |_| panic!("no point is measured without a GPU"),
         );
         assert!(b.error.is_some() && b.points.is_empty());
     }
