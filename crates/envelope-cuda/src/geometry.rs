@@ -137,18 +137,68 @@ fn check_heads(kernel: &'static str, heads: usize, kv_heads: usize, head_dim: us
     Ok(())
 }
 
-/// Grid (heads, sequences), four warps.
+/// Keys per partition when decode attention is split (vLLM's PagedAttention
+/// V2 uses 512 too).
+pub const DECODE_PARTITION: usize = 512;
+/// Above this many (sequence, head) blocks decode attention is not split:
+/// there is enough work to fill the GPU without it (vLLM's heuristic for
+/// choosing V1 over V2, also in mistral.rs's paged attention).
+pub const DECODE_SPLIT_MAX_BLOCKS: usize = 512;
+
+/// Partitions of one (sequence, head) in decode attention: 1 (no split)
+/// when the block tables hold at most [`DECODE_PARTITION`] keys or the step
+/// already has more than [`DECODE_SPLIT_MAX_BLOCKS`] (sequence, head)
+/// pairs; else one per [`DECODE_PARTITION`] keys of the table width. It
+/// depends on the table width, not the contexts, so a CUDA graph captured
+/// for a width class stays valid for every step of that class.
+pub fn decode_partitions(
+    num_seqs: usize,
+    heads: usize,
+    max_blocks_per_seq: usize,
+    block_size: usize,
+) -> usize {
+    let parts = (max_blocks_per_seq * block_size)
+        .div_ceil(DECODE_PARTITION)
+        .max(1);
+    if parts == 1 || num_seqs * heads > DECODE_SPLIT_MAX_BLOCKS {
+        1
+    } else {
+        parts
+    }
+}
+
+/// f32 elements of the split's partial records: (max, sum, accumulator)
+/// per sequence, head and partition.
+pub fn decode_partials_len(num_seqs: usize, heads: usize, head_dim: usize, parts: usize) -> usize {
+    num_seqs * heads * parts * (head_dim + 2)
+}
+
+/// Grid (heads, sequences, partitions), four warps.
 pub fn paged_decode(
     num_seqs: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    partitions: usize,
 ) -> Result<Launch> {
     check_heads("paged_attention_decode", heads, kv_heads, head_dim)?;
     Ok(Launch {
         grid: (
             dim_x("paged_attention_decode", heads)?,
             dim_yz("paged_attention_decode", "sequences", num_seqs)?,
+            dim_yz("paged_attention_decode", "partitions", partitions)?,
+        ),
+        block: (ATTENTION_THREADS, 1, 1),
+        shared_bytes: 0,
+    })
+}
+
+/// The split's merge: grid (heads, sequences), four warps.
+pub fn paged_merge(num_seqs: usize, heads: usize) -> Result<Launch> {
+    Ok(Launch {
+        grid: (
+            dim_x("paged_attention_merge", heads)?,
+            dim_yz("paged_attention_merge", "sequences", num_seqs)?,
             1,
         ),
         block: (ATTENTION_THREADS, 1, 1),
@@ -423,12 +473,33 @@ mod tests {
 
     #[test]
     fn attention_shapes_are_checked() {
-        assert_eq!(paged_decode(3, 32, 8, 128).unwrap().grid, (32, 3, 1));
-        assert!(paged_decode(3, 32, 5, 128).is_err());
-        assert!(paged_decode(3, 32, 8, 80).is_err());
-        assert!(paged_decode(3, 32, 8, 512).is_err());
+        assert_eq!(paged_decode(3, 32, 8, 128, 1).unwrap().grid, (32, 3, 1));
+        assert_eq!(paged_decode(3, 32, 8, 128, 16).unwrap().grid, (32, 3, 16));
+        assert!(paged_decode(3, 32, 8, 128, 0).is_err());
+        assert!(paged_decode(3, 32, 5, 128, 1).is_err());
+        assert!(paged_decode(3, 32, 8, 80, 1).is_err());
+        assert!(paged_decode(3, 32, 8, 512, 1).is_err());
+        assert_eq!(paged_merge(3, 32).unwrap().grid, (32, 3, 1));
         assert_eq!(prefill(2, 33, 9, 3, 64).unwrap().grid, (3, 9, 2));
         assert!(prefill(70_000, 1, 9, 3, 64).is_err());
+    }
+
+    #[test]
+    fn decode_splits_long_tables_at_small_batches() {
+        // Llama 3.1 8B (32 heads), 16-token blocks.
+        // 1k context at batch 1: 2 partitions of 512 keys.
+        assert_eq!(decode_partitions(1, 32, 64, 16), 2);
+        // 8k at batch 1 and 8: 16 partitions; at batch 64 (2048 blocks): none.
+        assert_eq!(decode_partitions(1, 32, 512, 16), 16);
+        assert_eq!(decode_partitions(8, 32, 512, 16), 16);
+        assert_eq!(decode_partitions(16, 32, 512, 16), 16);
+        assert_eq!(decode_partitions(17, 32, 512, 16), 1);
+        assert_eq!(decode_partitions(64, 32, 512, 16), 1);
+        // Tables of at most 512 keys never split; one key more does.
+        assert_eq!(decode_partitions(1, 32, 32, 16), 1);
+        assert_eq!(decode_partitions(1, 32, 33, 16), 2);
+        assert_eq!(decode_partitions(1, 32, 0, 16), 1);
+        assert_eq!(decode_partials_len(2, 32, 128, 16), 2 * 32 * 16 * 130);
     }
 
     #[test]

@@ -71,7 +71,10 @@ pub const KERNELS: &[KernelSource] = &[
             "paged_attention_decode_f32_f16",
             "paged_attention_decode_f32_bf16",
             "paged_attention_decode_f16_f16",
-            "paged_attention_decode_bf16_bf16"
+            "paged_attention_decode_bf16_bf16",
+            "paged_attention_merge_f32",
+            "paged_attention_merge_f16",
+            "paged_attention_merge_bf16"
         ]
     ),
     k!(

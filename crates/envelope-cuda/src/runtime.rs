@@ -701,7 +701,9 @@ impl Gpu {
         )
     }
 
-    /// Decode attention: one query row per sequence.
+    /// Decode attention: one query row per sequence. Split over partitions
+    /// of the keys, and merged by a second launch, when
+    /// [`geometry::decode_partitions`] says so (long tables, few sequences).
     #[allow(clippy::too_many_arguments)]
     pub fn paged_decode(
         &self,
@@ -713,22 +715,50 @@ impl Gpu {
         context_lens: &Buf,
         a: AttnDims,
     ) -> Result<()> {
+        let parts =
+            geometry::decode_partitions(a.num_seqs, a.heads, a.max_blocks_per_seq, a.block_size);
+        let partials = if parts > 1 {
+            Some(self.empty(
+                DType::F32,
+                geometry::decode_partials_len(a.num_seqs, a.heads, a.head_dim, parts),
+            )?)
+        } else {
+            None
+        };
+        let mut args = a.with_shape(&[
+            Arg::Buf(out),
+            Arg::Buf(q),
+            Arg::Buf(k_cache),
+            Arg::Buf(v_cache),
+            Arg::Buf(tables),
+            Arg::Buf(context_lens),
+        ]);
+        // Unsplit, the kernel does not read `partials`: a null pointer.
+        args.push(partials.as_ref().map_or(Arg::U64(0), Arg::Buf));
+        args.push(Arg::I32(geometry::DECODE_PARTITION as i32));
         self.launch(
             &format!(
                 "paged_attention_decode_{}_{}",
                 q.dtype.suffix(),
                 k_cache.dtype.suffix()
             ),
-            geometry::paged_decode(a.num_seqs, a.heads, a.kv_heads, a.head_dim)?,
-            &a.with_shape(&[
-                Arg::Buf(out),
-                Arg::Buf(q),
-                Arg::Buf(k_cache),
-                Arg::Buf(v_cache),
-                Arg::Buf(tables),
-                Arg::Buf(context_lens),
-            ]),
-        )
+            geometry::paged_decode(a.num_seqs, a.heads, a.kv_heads, a.head_dim, parts)?,
+            &args,
+        )?;
+        if let Some(p) = &partials {
+            self.launch(
+                &format!("paged_attention_merge_{}", out.dtype.suffix()),
+                geometry::paged_merge(a.num_seqs, a.heads)?,
+                &[
+                    Arg::Buf(out),
+                    Arg::Buf(p),
+                    Arg::I32(a.heads as i32),
+                    Arg::I32(a.head_dim as i32),
+                    Arg::I32(parts as i32),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     /// Prefill (and mixed) attention over query rows `cu_q_lens`.

@@ -893,41 +893,81 @@ fn attention_cases(cx: &mut Cx) {
                 &r::paged_attention(&q, &kc, &vc, &flat.data, &cu1, &ctx_i, sh),
             );
             let entry = format!("paged_attention_decode_{pair}");
-            let got = (|| {
-                let (qb, o) = (cx.gpu.upf(act, &q)?, cx.gpu.zeros(q.len() * 4)?);
-                let (bt, cl) = (
-                    cx.gpu.up(&le(&flat.data, i32::to_le_bytes))?,
-                    cx.gpu.up(&le(&ctx_i, i32::to_le_bytes))?,
-                );
-                cx.gpu.launch(
-                    "paged_attention.cu",
+            // Unsplit (one launch), then split into partitions of 64 keys and
+            // merged: the 300-key sequence spans 5, the shorter ones leave
+            // partitions past their context empty.
+            for part_size in [0, 64] {
+                let parts = if part_size == 0 {
+                    1
+                } else {
+                    (flat.max_blocks_per_seq * bs).div_ceil(part_size)
+                };
+                let got = (|| {
+                    let (qb, o) = (cx.gpu.upf(act, &q)?, cx.gpu.zeros(q.len() * 4)?);
+                    let (bt, cl) = (
+                        cx.gpu.up(&le(&flat.data, i32::to_le_bytes))?,
+                        cx.gpu.up(&le(&ctx_i, i32::to_le_bytes))?,
+                    );
+                    let partials = cx
+                        .gpu
+                        .zeros(4 * geometry::decode_partials_len(ctx.len(), heads, hd, parts))?;
+                    cx.gpu.launch(
+                        "paged_attention.cu",
+                        &entry,
+                        geometry::paged_decode(ctx.len(), heads, kv_heads, hd, parts)?,
+                        &[
+                            Arg::Buf(&o),
+                            Arg::Buf(&qb),
+                            Arg::Buf(&kcb),
+                            Arg::Buf(&vcb),
+                            Arg::Buf(&bt),
+                            Arg::Buf(&cl),
+                            Arg::I32(flat.max_blocks_per_seq as i32),
+                            Arg::I32(heads as i32),
+                            Arg::I32(kv_heads as i32),
+                            Arg::I32(hd as i32),
+                            Arg::I32(bs as i32),
+                            Arg::F32(scale),
+                            if parts == 1 {
+                                Arg::U64(0)
+                            } else {
+                                Arg::Buf(&partials)
+                            },
+                            Arg::I32(part_size as i32),
+                        ],
+                    )?;
+                    if parts > 1 {
+                        cx.gpu.launch(
+                            "paged_attention.cu",
+                            &format!("paged_attention_merge_{}", act.suffix()),
+                            geometry::paged_merge(ctx.len(), heads)?,
+                            &[
+                                Arg::Buf(&o),
+                                Arg::Buf(&partials),
+                                Arg::I32(heads as i32),
+                                Arg::I32(hd as i32),
+                                Arg::I32(parts as i32),
+                            ],
+                        )?;
+                    }
+                    Ok(cx.gpu.downf(act, &o)?[..q.len()].to_vec())
+                })();
+                cx.check(
+                    &format!(
+                        "decode attention ctx {ctx:?} hd {hd} gqa {heads}/{kv_heads}{}",
+                        if parts > 1 {
+                            format!(", {parts} partitions of {part_size} keys")
+                        } else {
+                            String::new()
+                        }
+                    ),
                     &entry,
-                    geometry::paged_decode(ctx.len(), heads, kv_heads, hd)?,
-                    &[
-                        Arg::Buf(&o),
-                        Arg::Buf(&qb),
-                        Arg::Buf(&kcb),
-                        Arg::Buf(&vcb),
-                        Arg::Buf(&bt),
-                        Arg::Buf(&cl),
-                        Arg::I32(flat.max_blocks_per_seq as i32),
-                        Arg::I32(heads as i32),
-                        Arg::I32(kv_heads as i32),
-                        Arg::I32(hd as i32),
-                        Arg::I32(bs as i32),
-                        Arg::F32(scale),
-                    ],
-                )?;
-                Ok(cx.gpu.downf(act, &o)?[..q.len()].to_vec())
-            })();
-            cx.check(
-                &format!("decode attention ctx {ctx:?} hd {hd} gqa {heads}/{kv_heads}"),
-                &entry,
-                tol_dt,
-                got,
-                &want,
-                None,
-            );
+                    tol_dt,
+                    got,
+                    &want,
+                    None,
+                );
+            }
 
             // Prefill: whole prompts and a chunk after cached context.
             let total_q: usize = q_lens.iter().sum();

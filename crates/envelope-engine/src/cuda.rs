@@ -1001,11 +1001,16 @@ mod tests {
         for act in [DType::F32, DType::F16, DType::Bf16] {
             for kv in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
                 if let Ok(c) = kv_dtype(act, kv) {
-                    let entry = format!("paged_attention_decode_{}_{}", act.suffix(), c.suffix());
-                    let found = envelope_cuda::kernels::KERNELS
-                        .iter()
-                        .any(|k| k.entries.contains(&entry.as_str()));
-                    assert!(found, "{entry}");
+                    // Decode attention, and the merge of its split.
+                    for entry in [
+                        format!("paged_attention_decode_{}_{}", act.suffix(), c.suffix()),
+                        format!("paged_attention_merge_{}", act.suffix()),
+                    ] {
+                        let found = envelope_cuda::kernels::KERNELS
+                            .iter()
+                            .any(|k| k.entries.contains(&entry.as_str()));
+                        assert!(found, "{entry}");
+                    }
                 }
             }
         }
