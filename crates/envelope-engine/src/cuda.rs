@@ -102,8 +102,10 @@ pub fn kv_dtype(act: DType, kv: KvDtype) -> Result<DType> {
 /// Device memory kept out of the KV pool for one step's activations: the
 /// largest step (`max_tokens` tokens) holds the residual stream, a norm
 /// output, Q/K/V, the attention output, gate/up/SiLU rows and an fp8 copy,
-/// plus `max_rows` rows of f32 logits; 512 MiB more for cuBLAS workspaces
-/// and the allocator.
+/// plus `max_rows` rows of f32 logits and the largest split decode
+/// attention's partial records (at most 512 (sequence, head) pairs, one
+/// partition per 512 positions of the model's context); 512 MiB more for
+/// cuBLAS workspaces and the allocator.
 pub fn activation_bytes(c: &ModelConfig, act: DType, max_tokens: usize, max_rows: usize) -> usize {
     let (h, q, kv, f) = (
         c.hidden_size,
@@ -112,7 +114,15 @@ pub fn activation_bytes(c: &ModelConfig, act: DType, max_tokens: usize, max_rows
         c.intermediate_size,
     );
     let per_token = (3 * h + 2 * q + 2 * kv + 3 * f) * act.size() + f.max(h);
-    max_tokens * per_token + max_rows * c.vocab_size * 4 + (512 << 20)
+    let split_partials = 4 * geometry::decode_partials_len(
+        1,
+        geometry::DECODE_SPLIT_MAX_BLOCKS,
+        c.head_dim,
+        c.max_position_embeddings
+            .div_ceil(geometry::DECODE_PARTITION)
+            .max(1),
+    );
+    max_tokens * per_token + max_rows * c.vocab_size * 4 + split_partials + (512 << 20)
 }
 
 /// Everything a step needs to know on the device, built on the host from
@@ -1306,6 +1316,14 @@ mod tests {
         assert!(small >= 512 << 20);
         // 8192 tokens x (3h + 2q + 2kv + 3f) x 2 bytes alone is over 1 GiB.
         assert!(big - small > 1 << 30, "{big}");
+        // The split decode's records: 512 pairs x 256 partitions (128k
+        // positions) x 130 f32.
+        let mut short = c.clone();
+        short.max_position_embeddings = 512;
+        assert_eq!(
+            small - activation_bytes(&short, DType::Bf16, 1, 1),
+            512 * 255 * 130 * 4
+        );
     }
 
     /// Without a GPU, loading on CUDA is an error that names the cause.
