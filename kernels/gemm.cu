@@ -69,6 +69,7 @@ __device__ __forceinline__ void load_tile(S* dst, const In* src, int n_rows, int
   }
 }
 
+#ifndef ENVELOPE_EMU  // the CPU emulator (crates/envelope-cuda/emu) has its own
 // D += A . B for one 16x8x16 tile on the tensor cores (PTX mma.sync; the
 // fragment layout is PTX ISA's "mma.m16n8k16" for 16-bit types: g = lane/4,
 // t = lane%4; a: rows g and g+8, k pairs 2t and 2t+8; b: column g, k pairs
@@ -87,6 +88,7 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b, 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+#endif
 
 // Two consecutive 16-bit elements of a shared tile as one register.
 template <typename S> __device__ __forceinline__ u32 pair(const S* p) { return *(const u32*)p; }

@@ -18,6 +18,17 @@ eval "$nvrtc_env"
 export ENVELOPE_NVRTC_LIB ENVELOPE_CUDA_INCLUDE
 echo "$nvrtc_env"
 
+echo "== C++ compiler (the CPU emulator runs every kernel's source through the GPU self-test)"
+if ! command -v "${CXX:-c++}" >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq g++
+  else
+    echo "no C++ compiler: install g++ (or set CXX)" >&2
+    exit 1
+  fi
+fi
+"${CXX:-c++}" --version | head -1
+
 echo "== cargo test"
 cargo test --release --locked --workspace
 

@@ -69,6 +69,12 @@ pub struct CudaSelftestArgs {
     /// (gemm-bench.json, .csv).
     #[arg(long)]
     pub gemm_bench: bool,
+    /// The kernel self-test on the CPU emulator instead of a GPU: every
+    /// kernel file compiled by the host C++ compiler (c++, or $CXX) against
+    /// crates/envelope-cuda/emu/emu.h and run with the same cases and
+    /// tolerances. No GPU, driver or NVRTC needed; says nothing of speed.
+    #[arg(long)]
+    pub emulate: bool,
     /// The model of --bench.
     #[arg(long, default_value = "dummy:llama-3.1-8b")]
     pub bench_model: String,

@@ -22,6 +22,10 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
     if args.gemm_bench {
         return gemm_bench(args);
     }
+    if args.emulate {
+        let rep = envelope_cuda::selftest::run_emulated(Some(&args.out));
+        return print_report(&rep, args);
+    }
     let nvml = match envelope_telemetry::Nvml::init() {
         Ok(n) => serde_json::json!({
             "driver_version": n.driver_version(),
@@ -49,6 +53,11 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
         (None, Some(e)) => println!("device: {e}"),
         (None, None) => {}
     }
+    print_report(&rep, args)
+}
+
+/// The self-test's compile and case table, and its verdict.
+fn print_report(rep: &envelope_cuda::selftest::Report, args: &CudaSelftestArgs) -> Result<()> {
     println!("kernels: {}", rep.kernels.as_deref().unwrap_or("-"));
     if let Some(e) = &rep.kernels_error {
         println!("kernels unavailable: {e}");

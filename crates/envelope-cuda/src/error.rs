@@ -49,6 +49,9 @@ pub enum CudaError {
         value: String,
         allowed: &'static str,
     },
+    /// The CPU kernel emulator could not build or run a kernel.
+    #[error("kernel emulator: {0}")]
+    Emulator(String),
     #[error("{kernel}: unsupported shape: {reason}")]
     Shape {
         kernel: &'static str,

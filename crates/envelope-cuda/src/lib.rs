@@ -39,6 +39,7 @@
 pub mod compile;
 pub mod device;
 pub mod embedded;
+pub mod emu;
 pub mod error;
 pub mod fp8;
 pub mod gemm_bench;

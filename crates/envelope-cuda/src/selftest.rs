@@ -3,21 +3,24 @@
 //! the machine's NVRTC (or take the embedded PTX: [`crate::embedded`]), run
 //! each kernel, the GEMM kernels included, on seeded random inputs and compare
 //! it with [`crate::reference`], and write `selftest.json`. It has never run
-//! on a GPU at the time of writing (no GPU was lent); the CPU side of it (the
-//! references, the comparison, the dtype rounding) is unit-tested here.
+//! on a GPU at the time of writing (no GPU was lent). The same cases run on
+//! the CPU emulator ([`crate::emu`], [`run_emulated`]) in CI, which executes
+//! every kernel's own source; the CPU side of it (the references, the
+//! comparison, the dtype rounding) is unit-tested here.
 
 use crate::device::{Device, DeviceInfo};
 use crate::embedded::PtxSource;
 use crate::error::{guarded, CudaError, Result};
-use crate::geometry::{self, Launch};
+use crate::geometry;
 use crate::kernels::KERNELS;
 use crate::reference as r;
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, PushKernelArg};
+use dev::{drv, Arg, Gpu, Mem};
+
+mod dev;
 use half::{bf16, f16};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 /// Element types the cases run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -229,83 +232,19 @@ pub struct Report {
     pub passed: usize,
     pub failed: usize,
     pub warnings: Vec<String>,
+    /// Set when the cases ran on the CPU emulator instead of a device.
+    pub emulated: Option<String>,
     /// Free-form facts the caller adds (NVML readings).
     pub extra: serde_json::Value,
 }
 
 impl Report {
     pub fn ok(&self) -> bool {
-        self.device.is_some()
+        (self.device.is_some() || self.emulated.is_some())
             && self.kernels_error.is_none()
             && self.failed == 0
             && self.passed > 0
             && self.compile.iter().all(|c| c.error.is_none())
-    }
-}
-
-enum Arg<'a> {
-    Buf(&'a CudaSlice<u8>),
-    I32(i32),
-    I64(i64),
-    U64(u64),
-    F32(f32),
-}
-
-struct Gpu {
-    stream: Arc<CudaStream>,
-    modules: HashMap<&'static str, Arc<CudaModule>>,
-}
-
-fn drv(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> CudaError {
-    move |e| CudaError::Driver {
-        call,
-        message: format!("{e:?}"),
-    }
-}
-
-impl Gpu {
-    fn up(&self, b: &[u8]) -> Result<CudaSlice<u8>> {
-        self.stream.clone_htod(b).map_err(drv("cuMemcpyHtoD"))
-    }
-    fn upf(&self, dt: Dt, x: &[f32]) -> Result<CudaSlice<u8>> {
-        self.up(&to_bytes(dt, x))
-    }
-    fn down(&self, s: &CudaSlice<u8>) -> Result<Vec<u8>> {
-        self.stream
-            .synchronize()
-            .map_err(drv("cuStreamSynchronize"))?;
-        self.stream.clone_dtoh(s).map_err(drv("cuMemcpyDtoH"))
-    }
-    fn downf(&self, dt: Dt, s: &CudaSlice<u8>) -> Result<Vec<f32>> {
-        Ok(from_bytes(dt, &self.down(s)?))
-    }
-    fn zeros(&self, bytes: usize) -> Result<CudaSlice<u8>> {
-        self.stream
-            .alloc_zeros::<u8>(bytes.max(1))
-            .map_err(drv("cuMemAlloc"))
-    }
-    fn func(&self, file: &'static str, entry: &str) -> Result<CudaFunction> {
-        let m = self.modules.get(file).ok_or_else(|| CudaError::Driver {
-            call: "module",
-            message: format!("{file} did not compile or load"),
-        })?;
-        m.load_function(entry).map_err(drv("cuModuleGetFunction"))
-    }
-    fn launch(&self, file: &'static str, entry: &str, l: Launch, args: &[Arg]) -> Result<()> {
-        let f = self.func(file, entry)?;
-        let mut b = self.stream.launch_builder(&f);
-        for a in args {
-            match a {
-                Arg::Buf(s) => b.arg(*s),
-                Arg::I32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-                Arg::U64(v) => b.arg(v),
-            };
-        }
-        // SAFETY: argument lists match the kernels' signatures in kernels/.
-        unsafe { b.launch(l.to_cudarc()) }.map_err(drv("cuLaunchKernel"))?;
-        self.stream.synchronize().map_err(drv("kernel execution"))
     }
 }
 
@@ -584,10 +523,10 @@ fn gemm_cases(cx: &mut Cx) {
 fn gemm_launch(
     gpu: &Gpu,
     entry: &str,
-    [x, w, y]: [&CudaSlice<u8>; 3],
+    [x, w, y]: [&Mem; 3],
     (rows, inner, out): (usize, usize, usize),
     acc: bool,
-    scales: Option<[&CudaSlice<u8>; 2]>,
+    scales: Option<[&Mem; 2]>,
 ) -> Result<()> {
     let mut args = vec![
         Arg::Buf(x),
@@ -795,7 +734,9 @@ fn elementwise_cases(cx: &mut Cx) {
 fn attention_cases(cx: &mut Cx) {
     for (act, cache) in [
         (Dt::F32, Dt::F32),
+        (Dt::F32, Dt::F16),
         (Dt::F32, Dt::Bf16),
+        (Dt::F16, Dt::F16),
         (Dt::Bf16, Dt::Bf16),
     ] {
         for hd in [64, 128] {
@@ -880,6 +821,8 @@ fn attention_cases(cx: &mut Cx) {
             // The attention output is rounded to `act`; compare at the coarser of the two dtypes.
             let tol_dt = if act == Dt::Bf16 || cache == Dt::Bf16 {
                 Dt::Bf16
+            } else if act == Dt::F16 || cache == Dt::F16 {
+                Dt::F16
             } else {
                 Dt::F32
             };
@@ -1021,17 +964,30 @@ fn attention_cases(cx: &mut Cx) {
 }
 
 fn sampling_cases(cx: &mut Cx) {
+    for dt in [Dt::F32, Dt::F16, Dt::Bf16] {
+        sampling_case(cx, dt);
+    }
+}
+
+/// argmax and `sample` on `dt` logits (rounded to it: bf16 makes many
+/// ties, which the lowest index must win, as on the CPU).
+fn sampling_case(cx: &mut Cx, dt: Dt) {
     let (rows, vocab) = (4, 49_152);
     let mut logits = cx.rng.vec(rows * vocab, 8.0);
     // A tie on row 0: the lower index must win.
     logits[100] = 50.0;
     logits[200] = 50.0;
+    let logits = round(dt, &logits);
+    let (argmax_entry, sample_entry) = (
+        format!("argmax_{}", dt.suffix()),
+        format!("sample_{}", dt.suffix()),
+    );
     let want: Vec<f32> = logits.chunks(vocab).map(|l| r::argmax(l) as f32).collect();
     let got = (|| {
-        let (lb, o) = (cx.gpu.upf(Dt::F32, &logits)?, cx.gpu.zeros(rows * 4)?);
+        let (lb, o) = (cx.gpu.upf(dt, &logits)?, cx.gpu.zeros(rows * 4)?);
         cx.gpu.launch(
             "sampling.cu",
-            "argmax_f32",
+            &argmax_entry,
             geometry::sampling(rows)?,
             &[Arg::Buf(&lb), Arg::Buf(&o), Arg::I32(vocab as i32)],
         )?;
@@ -1041,7 +997,13 @@ fn sampling_cases(cx: &mut Cx) {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
             .collect())
     })();
-    cx.check_exact("argmax 4x49152 with a tie", "argmax_f32", got, &want, None);
+    cx.check_exact(
+        &format!("argmax 4x49152 with a tie, {dt:?}"),
+        &argmax_entry,
+        got,
+        &want,
+        None,
+    );
 
     // `sample`: per-row (temperature, top_p, u); row 0 greedy (with the
     // tie above), the others top-p at different settings.
@@ -1062,13 +1024,13 @@ fn sampling_cases(cx: &mut Cx) {
         .collect();
     let got = (|| {
         let (lb, pb, o) = (
-            cx.gpu.upf(Dt::F32, &logits)?,
+            cx.gpu.upf(dt, &logits)?,
             cx.gpu.upf(Dt::F32, &params)?,
             cx.gpu.zeros(rows * 4)?,
         );
         cx.gpu.launch(
             "sampling.cu",
-            "sample_f32",
+            &sample_entry,
             geometry::sampling(rows)?,
             &[
                 Arg::Buf(&lb),
@@ -1117,8 +1079,8 @@ fn sampling_cases(cx: &mut Cx) {
         Err(e) => (Err(e), None),
     };
     cx.check_exact(
-        "sample 4x49152: greedy, T 0.8 p 0.9, T 1.3 p 0.5, T 0.6 p 1",
-        "sample_f32",
+        &format!("sample 4x49152, {dt:?}: greedy, T 0.8 p 0.9, T 1.3 p 0.5, T 0.6 p 1"),
+        &sample_entry,
         gpu,
         &want,
         note,
@@ -1219,9 +1181,60 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
             error: res.err().map(|e| e.to_string()),
         });
     }
-    let gpu = Gpu { stream, modules };
+    let gpu = Gpu::Cuda { stream, modules };
+    rep.cases = run_cases(&gpu);
+    rep.passed = rep.cases.iter().filter(|c| c.passed).count();
+    rep.failed = rep.cases.len() - rep.passed;
+    write(out_dir, &rep);
+    rep
+}
+
+/// The self-test's cases on the CPU emulator ([`crate::emu`]): every kernel
+/// file compiled by the host C++ compiler and run, with the same inputs and
+/// tolerances as on a GPU. Writes `out_dir/selftest.json` when given.
+pub fn run_emulated(out_dir: Option<&Path>) -> Report {
+    let mut rep = Report::default();
+    let emu = match crate::emu::Emulator::build(None) {
+        Ok(e) => e,
+        Err(e) => {
+            rep.kernels_error = Some(e.to_string());
+            if let Some(d) = out_dir {
+                write(d, &rep);
+            }
+            return rep;
+        }
+    };
+    rep.emulated = Some(format!(
+        "CPU emulation (crates/envelope-cuda/emu), {} in {}",
+        emu.compiler,
+        emu.dir.display()
+    ));
+    rep.kernels = rep.emulated.clone();
+    rep.compile = emu
+        .built
+        .iter()
+        .map(|b| CompileResult {
+            file: b.file.into(),
+            seconds: b.seconds,
+            ptx_bytes: 0,
+            from_cache: b.from_cache,
+            error: b.error.clone(),
+        })
+        .collect();
+    let gpu = Gpu::Emu(emu);
+    rep.cases = run_cases(&gpu);
+    rep.passed = rep.cases.iter().filter(|c| c.passed).count();
+    rep.failed = rep.cases.len() - rep.passed;
+    if let Some(d) = out_dir {
+        write(d, &rep);
+    }
+    rep
+}
+
+/// Every case group, each failure recorded (a panic too), none fatal.
+fn run_cases(gpu: &Gpu) -> Vec<CaseResult> {
     let mut cx = Cx {
-        gpu: &gpu,
+        gpu,
         rng: Rng::new(0x5EED_0007),
         out: Vec::new(),
     };
@@ -1249,11 +1262,7 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
             });
         }
     }
-    rep.cases = cx.out;
-    rep.passed = rep.cases.iter().filter(|c| c.passed).count();
-    rep.failed = rep.cases.len() - rep.passed;
-    write(out_dir, &rep);
-    rep
+    cx.out
 }
 
 pub use crate::embedded::version_warning;
