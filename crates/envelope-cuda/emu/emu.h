@@ -377,8 +377,17 @@ template <typename... A>
 inline void emu_call(void (*f)(A...), void** args) {
   emu_call_impl(f, args, std::index_sequence_for<A...>{});
 }
-#define EMU_KERNEL(name) \
-  extern "C" void emu_call_##name(void** args) { emu_call(&name, args); }
+// The byte size of each of `f`'s parameters (for copying launch arguments,
+// as the driver does from a kernel's metadata).
+template <typename... A>
+inline int emu_sizes(void (*)(A...), size_t* out) {
+  const size_t s[] = {sizeof(A)..., 0};
+  for (size_t i = 0; i < sizeof...(A); i++) out[i] = s[i];
+  return (int)sizeof...(A);
+}
+#define EMU_KERNEL(name)                                                    \
+  extern "C" void emu_call_##name(void** args) { emu_call(&name, args); } \
+  extern "C" int emu_sizes_##name(size_t* out) { return emu_sizes(&name, out); }
 
 // Runs `call(args)` on every thread of a (grid, block) launch. Returns 0, or
 // 1 with a message in err.

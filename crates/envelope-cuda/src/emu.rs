@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 /// The emulation header and the CUDA headers it stands in for.
@@ -29,6 +30,13 @@ const EMU_HEADERS: &[(&str, &str)] = &[
     ("cuda_bf16.h", include_str!("../emu/cuda_bf16.h")),
     ("cuda_fp8.h", include_str!("../emu/cuda_fp8.h")),
 ];
+
+/// Numbers the temporary outputs of concurrent builds (test threads).
+static BUILDS: AtomicUsize = AtomicUsize::new(0);
+
+/// The fake CUDA driver (`libcuda.so.1`) that runs launches on the
+/// emulated kernels: see [`Emulator::driver`].
+const FAKE_DRIVER: &str = include_str!("../emu/fake_cuda.cpp");
 
 /// Compiler flags: no FMA contraction (the CPU references round each
 /// operation), type punning as the kernels do it (`*(const u32*)p`).
@@ -197,6 +205,7 @@ impl Emulator {
             h.update(n.as_bytes());
             h.update(t.as_bytes());
         }
+        h.update(FAKE_DRIVER.as_bytes());
         for k in files {
             h.update(unit(k).as_bytes());
             h.update(k.source.as_bytes());
@@ -238,13 +247,11 @@ impl Emulator {
                 }
                 // Built under a temporary name and renamed, so a concurrent
                 // build (another test process) never loads half a library.
-                static BUILDS: std::sync::atomic::AtomicUsize =
-                    std::sync::atomic::AtomicUsize::new(0);
                 let tmp = dir.join(format!(
                     "{}.emu.so.{}-{}",
                     k.file,
                     std::process::id(),
-                    BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    BUILDS.fetch_add(1, Ordering::Relaxed)
                 ));
                 let child = Command::new(&cxx)
                     .args(FLAGS)
@@ -306,6 +313,76 @@ impl Emulator {
             dir,
             built,
         })
+    }
+
+    /// Builds (once per emulator folder) a CUDA driver library,
+    /// `DIR/driver/libcuda.so.1` (and `libcuda.so`), that runs every launch
+    /// on these emulated kernels: a process started with [`Emulator::env`]
+    /// sees one CUDA device, and the engine's CUDA backend (cudarc, the
+    /// runtime, the forward, CUDA graphs) runs on the CPU unchanged. Returns
+    /// the folder to put on `LD_LIBRARY_PATH`.
+    ///
+    /// # Errors
+    /// The compiler fails, or the folder cannot be written.
+    pub fn driver(&self) -> Result<PathBuf> {
+        let dir = self.dir.join("driver");
+        let lib = dir.join("libcuda.so.1");
+        if lib.is_file() {
+            return Ok(dir);
+        }
+        let io = |p: &Path, e: std::io::Error| err(format!("{}: {e}", p.display()));
+        std::fs::create_dir_all(&dir).map_err(|e| io(&dir, e))?;
+        let src = dir.join("fake_cuda.cpp");
+        std::fs::write(&src, FAKE_DRIVER).map_err(|e| io(&src, e))?;
+        let tmp = dir.join(format!(
+            "libcuda.so.1.{}-{}",
+            std::process::id(),
+            BUILDS.fetch_add(1, Ordering::Relaxed)
+        ));
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = Command::new(&cxx)
+            .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-o"])
+            .arg(&tmp)
+            .arg(&src)
+            .arg("-ldl")
+            .output()
+            .map_err(|e| err(format!("running {cxx}: {e}")))?;
+        if !out.status.success() {
+            return Err(err(format!(
+                "{cxx} failed on fake_cuda.cpp:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        std::fs::rename(&tmp, &lib).map_err(|e| io(&lib, e))?;
+        let link = dir.join("libcuda.so");
+        match std::os::unix::fs::symlink("libcuda.so.1", &link) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(io(&link, e)),
+            _ => {}
+        }
+        Ok(dir)
+    }
+
+    /// The environment of a process that runs on the emulated GPU: the fake
+    /// driver first on `LD_LIBRARY_PATH`, `ENVELOPE_EMU_DIR`, and the
+    /// kernel and GEMM sources the emulator has (`ENVELOPE_KERNELS=embedded`:
+    /// the PTX is not run, only named; `ENVELOPE_GEMM=kernels`: no cuBLAS).
+    ///
+    /// # Errors
+    /// As [`Emulator::driver`].
+    pub fn env(&self) -> Result<Vec<(String, String)>> {
+        let driver = self.driver()?;
+        let mut path = driver.display().to_string();
+        if let Ok(old) = std::env::var("LD_LIBRARY_PATH") {
+            if !old.is_empty() {
+                path = format!("{path}:{old}");
+            }
+        }
+        Ok(vec![
+            ("LD_LIBRARY_PATH".into(), path),
+            ("ENVELOPE_EMU_DIR".into(), self.dir.display().to_string()),
+            ("ENVELOPE_KERNELS".into(), "embedded".into()),
+            ("ENVELOPE_GEMM".into(), "kernels".into()),
+        ])
     }
 
     /// Runs kernel `entry` of `file` over the launch's grid and block, to

@@ -90,6 +90,7 @@ impl ModelConfig {
 
 pub const PRESETS: &[&str] = &[
     "tiny",
+    "tiny-hd32",
     "smollm2-135m",
     "llama-3.2-1b",
     "llama-3.1-8b",
@@ -133,6 +134,11 @@ pub fn preset(name: &str) -> Result<ModelConfig> {
     }
     let cfg = match name {
         "tiny" => shape("llama", 2, 64, 4, 2, 128, 512, 2048, 10_000.0, 1e-5, true),
+        // tiny with head_dim 32, the smallest the CUDA attention kernels
+        // take, and its own LM head: tied embeddings make a dummy model
+        // repeat its last token, so greedy runs would not show a wrong step
+        // (for the CPU-emulated GPU runs in CI).
+        "tiny-hd32" => shape("llama", 2, 128, 4, 2, 256, 512, 2048, 10_000.0, 1e-5, false),
         "smollm2-135m" => shape(
             "llama", 30, 576, 9, 3, 1536, 49152, 8192, 100_000.0, 1e-5, true,
         ),

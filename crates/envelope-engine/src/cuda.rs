@@ -659,6 +659,10 @@ impl CudaModel {
             rt.kernels,
             rt.gemm,
             match self.graphs_off() {
+                None if self.graphs.stats.captured + self.graphs.stats.replayed > 0 => format!(
+                    "enabled ({} captured, {} replayed)",
+                    self.graphs.stats.captured, self.graphs.stats.replayed
+                ),
                 None => "enabled".to_string(),
                 Some(why) => format!("off ({why})"),
             }

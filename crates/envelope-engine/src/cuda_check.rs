@@ -101,6 +101,17 @@ pub struct ModelCheck {
     /// How the GPU side ran: kernel source (NVRTC or embedded PTX), GEMM
     /// path (cuBLAS or kernels), fallbacks.
     pub runtime: Option<envelope_cuda::runtime::RuntimeInfo>,
+    /// Tokens sampled on the device (temperature 1, top-p 0.95, a fixed
+    /// sequence of uniforms) over the same steps with the decode steps
+    /// replayed from CUDA graphs, and run eagerly: the same kernels on the
+    /// same inputs, so they must be equal (a graph replaying stale inputs
+    /// is not; greedy tokens of a dummy model often repeat one token and
+    /// would not show it).
+    pub sampled_graphs: Vec<u32>,
+    pub sampled_eager: Vec<u32>,
+    /// The CUDA engine after the greedy steps: device, kernels, GEMMs, and
+    /// the decode graphs it captured and replayed.
+    pub backend: Option<String>,
     pub error: Option<String>,
 }
 
@@ -161,11 +172,15 @@ pub fn model_check(
             Precision::F32 => "max |gpu - cpu| <= 2e-3 x max |cpu logit|, all greedy tokens equal",
             _ => "cosine >= 0.99, same top-1, same first greedy token",
         }
-        .into(),
+        .to_string()
+            + "; device-sampled tokens equal with and without CUDA graphs",
         passed: false,
         cpu_seconds: 0.0,
         gpu_seconds: 0.0,
         runtime: None,
+        sampled_graphs: vec![],
+        sampled_eager: vec![],
+        backend: None,
         error: None,
     };
     let res = (|| -> crate::Result<()> {
@@ -204,9 +219,14 @@ pub fn model_check(
             want_logits: true,
         }])?;
         let gpu_logits = rows.into_iter().next().unwrap_or_default();
+        let graphs_were_on = gpu.model.graphs_off().is_none();
+        r.sampled_graphs = sampled_steps(&mut gpu.model, &prompt, steps, true)?;
+        r.sampled_eager = sampled_steps(&mut gpu.model, &prompt, steps, false)?;
+        gpu.model.set_graphs(graphs_were_on);
         let mut ge = Engine::new_cuda(gpu.model, Arc::new(gpu.tokenizer), gpu.info, &cfg)?;
         r.greedy_gpu = greedy(&mut ge, &prompt, steps)?;
         r.gpu_seconds = t.elapsed().as_secs_f64();
+        r.backend = Some(ge.runner_now());
 
         let d = logit_diff(&cpu_logits, &gpu_logits);
         r.greedy_equal = r
@@ -215,7 +235,8 @@ pub fn model_check(
             .zip(&r.greedy_gpu)
             .take_while(|(a, b)| a == b)
             .count();
-        r.passed = passes(precision, &d, r.greedy_equal, steps);
+        r.passed =
+            passes(precision, &d, r.greedy_equal, steps) && r.sampled_graphs == r.sampled_eager;
         r.logits = Some(d);
         Ok(())
     })();
@@ -223,6 +244,46 @@ pub fn model_check(
         r.error = Some(e.to_string());
     }
     r
+}
+
+/// `steps` tokens sampled on the device after `prompt` (prefill, then one
+/// decode step per token, fed back), with graphs on or off.
+fn sampled_steps(
+    m: &mut crate::cuda::CudaModel,
+    prompt: &[u32],
+    steps: usize,
+    graphs: bool,
+) -> crate::Result<Vec<u32>> {
+    m.set_graphs(graphs);
+    let pick = |i: usize| crate::sampling::DevicePick {
+        temperature: 1.0,
+        top_p: 0.95,
+        u: (i as f32 * 0.618_034 + 0.1) % 1.0,
+    };
+    let blocks: Vec<u32> = (0..(prompt.len() + steps + 1).div_ceil(16) as u32).collect();
+    let mut out = m.forward_sample(
+        &[SeqChunk {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: &blocks,
+            want_logits: true,
+        }],
+        &[pick(0)],
+    )?;
+    for i in 1..steps {
+        let t = [out[i - 1]];
+        let next = m.forward_sample(
+            &[SeqChunk {
+                tokens: &t,
+                start_pos: prompt.len() + i - 1,
+                block_table: &blocks,
+                want_logits: true,
+            }],
+            &[pick(i)],
+        )?;
+        out.extend(next);
+    }
+    Ok(out)
 }
 
 /// One measured point.

@@ -359,6 +359,12 @@ impl Engine {
         Ok(())
     }
 
+    /// What runs the steps now ([`StepRunner::describe`]): on CUDA, with
+    /// the graphs captured and replayed so far.
+    pub fn runner_now(&self) -> String {
+        self.runner.describe()
+    }
+
     /// The engine on a GPU model: the KV pool is sized in device memory.
     pub fn new_cuda(
         mut model: crate::cuda::CudaModel,
