@@ -78,6 +78,12 @@ pub struct CudaSelftestArgs {
     /// The model of --bench.
     #[arg(long, default_value = "dummy:llama-3.1-8b")]
     pub bench_model: String,
+    /// The batch sizes of --bench (comma-separated).
+    #[arg(long, default_value = "1,8,64", value_delimiter = ',')]
+    pub bench_batches: Vec<usize>,
+    /// The contexts of --bench, in tokens (comma-separated).
+    #[arg(long, default_value = "1024,8192", value_delimiter = ',')]
+    pub bench_contexts: Vec<usize>,
     /// The models of --models (comma-separated).
     #[arg(
         long,

@@ -168,3 +168,67 @@ fn device_check_kernels_stage_passes_on_the_emulated_gpu() {
     assert!(rep["device"]["name"].as_str().unwrap().contains("emulator"));
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// `cuda-selftest --bench` (device-check's `bench` stage) end to end on the
+/// emulated GPU at toy sizes: every point is measured (prefill, eager
+/// decode, decode from graphs that were captured and replayed), the weight
+/// bytes match the analytic size, and JSON and CSV are written. The
+/// figures themselves mean nothing here.
+#[test]
+fn bench_stage_runs_on_the_emulated_gpu() {
+    let env = emulator_env();
+    let out = scratch("bench");
+    let r = envelope(
+        &[
+            "cuda-selftest",
+            "--bench",
+            "--bench-model",
+            "dummy:tiny-hd32",
+            "--bench-batches",
+            "1,2",
+            "--bench-contexts",
+            "40",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &env,
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(r.status.success(), "{text}");
+    let runs = json(&out.join("bench-cuda.json"));
+    let runs = runs.as_array().unwrap();
+    assert_eq!(runs.len(), 2, "bf16 and fp8: {text}");
+    for run in runs {
+        assert!(run["error"].is_null(), "{run}");
+        // Exactly the analytic size, plus one f32 scale per fp8 matrix (2
+        // layers x 7 projections).
+        let extra =
+            run["weight_bytes"].as_u64().unwrap() - run["weight_bytes_analytic"].as_u64().unwrap();
+        let scales = if run["precision"] == "fp8" {
+            2 * 7 * 4
+        } else {
+            0
+        };
+        assert_eq!(extra, scales, "{run}");
+        let points = run["points"].as_array().unwrap();
+        // 2 batches x (prefill, decode, decode-graphs).
+        assert_eq!(points.len(), 6, "{run}");
+        for p in points {
+            assert!(p["tok_per_s"].as_f64().unwrap() > 0.0, "{p}");
+            if p["phase"] == "decode-graphs" {
+                let note = p["note"].as_str().unwrap();
+                assert!(
+                    note.contains("graph replays") && !note.contains(" 0 graph replays"),
+                    "{note}"
+                );
+            }
+        }
+    }
+    let csv = std::fs::read_to_string(out.join("bench-cuda.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + 12, "{csv}");
+    let _ = std::fs::remove_dir_all(&out);
+}
