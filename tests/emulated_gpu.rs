@@ -31,6 +31,15 @@ fn envelope(args: &[&str], env: &[(String, String)]) -> Output {
     c.output().unwrap()
 }
 
+/// What a run printed, stdout then stderr, for assertion messages.
+fn printed(r: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    )
+}
+
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("envelope-emugpu-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -59,11 +68,7 @@ fn model_check_passes_on_the_emulated_gpu() {
         ],
         &env,
     );
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
+    let text = printed(&r);
     assert!(r.status.success(), "{text}");
     let checks = json(&out.join("model-check.json"));
     let checks = checks.as_array().unwrap();
@@ -193,11 +198,7 @@ fn bench_stage_runs_on_the_emulated_gpu() {
         ],
         &env,
     );
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&r.stdout),
-        String::from_utf8_lossy(&r.stderr)
-    );
+    let text = printed(&r);
     assert!(r.status.success(), "{text}");
     let runs = json(&out.join("bench-cuda.json"));
     let runs = runs.as_array().unwrap();
