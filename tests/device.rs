@@ -199,6 +199,9 @@ fn device_check_script_runs_its_stages_and_reports() {
         .arg("kernels,driver-only,gemm,engine")
         .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
         .env("ENVELOPE_LOG", "warn")
+        // engine-auto really runs (on the CPU): no 30 s limit that a slower
+        // machine could miss.
+        .env("DEVICE_CHECK_STAGE_LIMITS", "off")
         .env_remove("ENVELOPE_DEVICE")
         .output()
         .unwrap();
@@ -208,7 +211,7 @@ fn device_check_script_runs_its_stages_and_reports() {
     for want in [
         "== kernels:",
         "== kernel-cache:",
-        "== driver-only-kernels (limit 60 s): env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
+        "== driver-only-kernels (no limit): env ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels",
         "== driver-only-models:",
         "== gemm:",
         "== engine-cuda:",
@@ -286,6 +289,8 @@ fn device_check_bundles_its_results_and_keeps_to_its_budget() {
         "{log}"
     );
     assert!(log.contains("device-check.tar.gz"), "{log}");
+    // Stage limits are on by default, and cut to the budget.
+    assert!(log.contains("== engine-cuda (limit 90 s)"), "{log}");
     let list = Command::new("tar")
         .arg("tzf")
         .arg(out.join("device-check.tar.gz"))
@@ -309,7 +314,21 @@ fn device_check_bundles_its_results_and_keeps_to_its_budget() {
         "{log}"
     );
     assert!(!log.contains("cuda-selftest --bench"), "{log}");
-    // A budget that is not a number is refused.
+    // A budget that is not a number is refused, and so is a stage-limits
+    // setting that is neither on nor off.
     assert_eq!(check("kernels", "5m").status.code(), Some(2));
+    let r = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/device-check.sh"
+        ))
+        .arg(&out)
+        .arg("kernels")
+        .env("ENVELOPE_BIN", env!("CARGO_BIN_EXE_envelope"))
+        .env("DEVICE_CHECK_STAGE_LIMITS", "none")
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stdout).contains("DEVICE_CHECK_STAGE_LIMITS"));
     let _ = std::fs::remove_dir_all(&out);
 }
