@@ -46,6 +46,13 @@ itl_p95_ms = 5000
 headroom = 0.2
 "#;
 
+// The KV arithmetic is under test, not the machine: a worker stalled by a
+// loaded CI machine does not make a probe client-limited.
+const LOAD: &str = r#"
+[load]
+max_client_gap_ms = 1000
+"#;
+
 /// Runs `envelope sweep --json`; returns the per-probe lines and the profile.
 fn sweep(dir: &Path, config: &str) -> (Vec<Value>, Value) {
     let cfg = dir.join("bench.toml");
@@ -94,7 +101,7 @@ fn bucket(profile: &Value) -> &Value {
 fn engine_and_launch_targets_agree_within_one_ladder_step() {
     let d = out_dir("engine");
     let engine_cfg = format!(
-        "[target]\nkind = \"engine\"\nmodel = \"dummy:tiny\"\nkv_cache_bytes = \"{KV_BYTES}\"\n{MATRIX}{SLO}"
+        "[target]\nkind = \"engine\"\nmodel = \"dummy:tiny\"\nkv_cache_bytes = \"{KV_BYTES}\"\n{MATRIX}{LOAD}{SLO}"
     );
     let (probes, engine) = sweep(&d, &engine_cfg);
     assert_eq!(
@@ -116,7 +123,7 @@ kv_cache_bytes = "{KV_BYTES}"
 vocab_size = 256
 command = "{} serve --model dummy:tiny --served-model-name {{model}} --precision {{precision}} --kv-dtype {{kv_dtype}} --batch-policy {{batch_policy}} --max-num-seqs {{max_num_seqs}} --max-num-batched-tokens {{max_num_batched_tokens}} --kv-cache-bytes {{kv_cache_bytes}} --block-size {{block_size}} --host 127.0.0.1 --port {{port}}"
 ready_timeout_s = 120
-{MATRIX}{SLO}"#,
+{MATRIX}{LOAD}{SLO}"#,
         bin()
     );
     let (_, launch) = sweep(&d, &launch_cfg);
@@ -172,6 +179,10 @@ rate_step_per_s = 4
 rate_max_per_s = 16
 duration_s = 1.5
 min_requests = 4
+# The search is under test, not the machine: arrivals a loaded CI machine
+# sends late do not make a probe client-limited.
+late_after_ms = 500
+max_late_fraction = 0.5
 [slo]
 e2e_p99_ms = 10000
 headroom = 0.25
@@ -212,14 +223,15 @@ headroom = 0.25
 #[test]
 fn a_server_that_dies_is_a_data_point() {
     let d = out_dir("crash");
-    // The server is killed 1 s after each start: probes see it die, the
-    // harness restarts it, and gives the configuration up after 3 restarts.
+    // The server is killed 1 s after it answers /health (however long it
+    // takes to start): probes see it die, the harness restarts it, and gives
+    // the configuration up after 3 restarts. Without curl: 5 s after start.
     let cfg = format!(
         r#"[target]
 kind = "launch"
 model = "tiny"
 vocab_size = 256
-command = "sh -c '{} serve --model dummy:tiny --served-model-name {{model}} --port {{port}} & p=$!; sleep 1; kill -9 $p'"
+command = "sh -c '{} serve --model dummy:tiny --served-model-name {{model}} --port {{port}} & p=$!; if command -v curl >/dev/null; then until curl -sf -o /dev/null http://127.0.0.1:{{port}}/health; do sleep 0.1; done; else sleep 4; fi; sleep 1; kill -9 $p'"
 ready_timeout_s = 60
 [matrix]
 batch_policies = ["continuous"]

@@ -143,6 +143,19 @@ pub struct LoadConfig {
     /// A dataset of prompts (one per line, or JSON lines with `prompt`)
     /// instead of synthetic token sequences.
     pub dataset: Option<String>,
+    /// closed: a worker that idles between its requests for longer than this
+    /// (or a quarter of the median request) was not keeping the load closed,
+    /// and the probe is invalid (`client_limited`).
+    #[serde(default = "gap_ms")]
+    pub max_client_gap_ms: f64,
+    /// poisson: an arrival sent over this long (or a fifth of the mean gap)
+    /// behind its schedule is late.
+    #[serde(default = "late_ms")]
+    pub late_after_ms: f64,
+    /// poisson: a probe that sends a larger share of its arrivals late is
+    /// invalid (`client_limited`).
+    #[serde(default = "late_share")]
+    pub max_late_fraction: f64,
 }
 
 fn closed() -> String {
@@ -163,6 +176,15 @@ fn rate_max() -> f64 {
 fn ten() -> f64 {
     10.0
 }
+fn gap_ms() -> f64 {
+    100.0
+}
+fn late_ms() -> f64 {
+    10.0
+}
+fn late_share() -> f64 {
+    0.05
+}
 
 impl Default for LoadConfig {
     fn default() -> Self {
@@ -175,6 +197,9 @@ impl Default for LoadConfig {
             rate_max_per_s: 64.0,
             duration_s: 10.0,
             dataset: None,
+            max_client_gap_ms: gap_ms(),
+            late_after_ms: late_ms(),
+            max_late_fraction: late_share(),
         }
     }
 }
@@ -524,6 +549,18 @@ impl BenchConfig {
         if raw.load.rounds == 0 {
             return Err(err("load.rounds must be at least 1".into()));
         }
+        if !(positive(l.max_client_gap_ms) && positive(l.late_after_ms)) {
+            return Err(err(format!(
+                "load.max_client_gap_ms ({}) and load.late_after_ms ({}) must be positive",
+                l.max_client_gap_ms, l.late_after_ms
+            )));
+        }
+        if !(0.0..=1.0).contains(&l.max_late_fraction) {
+            return Err(err(format!(
+                "load.max_late_fraction must be in [0, 1], got {}",
+                l.max_late_fraction
+            )));
+        }
         let prompts = match &l.dataset {
             None => Prompts::Synthetic,
             Some(d) => {
@@ -722,6 +759,14 @@ headroom = 0.25
                     "kind = \"engine\"\nprompt_format = \"words\"",
                 ),
                 "target.prompt_format",
+            ),
+            (
+                OK.replace("[slo]", "[load]\nmax_late_fraction = 2\n[slo]"),
+                "load.max_late_fraction",
+            ),
+            (
+                OK.replace("[slo]", "[load]\nmax_client_gap_ms = 0\n[slo]"),
+                "load.max_client_gap_ms",
             ),
         ];
         for (text, field) in cases {

@@ -137,8 +137,8 @@ pub struct ProbeRun {
     pub max_in_flight: u32,
     /// Closed loop: longest gap between a worker's request ending and its next submission.
     pub max_client_gap_s: f64,
-    /// Open loop: the share of arrivals sent over 10 ms (or a fifth of the
-    /// mean gap) behind their schedule.
+    /// Open loop: the share of arrivals sent over `late_after_s` (or a fifth
+    /// of the mean gap) behind their schedule.
     pub late_fraction: f64,
     /// Open loop: the arrival rate asked for.
     pub offered_rate_per_s: Option<f64>,
@@ -388,19 +388,21 @@ pub fn closed_loop(
 
 /// Poisson arrivals at `rate_per_s` (exponential gaps from a seeded
 /// generator) until `total_requests` are sent; each request runs on its own
-/// thread, so a slow server does not slow the arrivals.
+/// thread, so a slow server does not slow the arrivals. An arrival sent over
+/// `late_after_s` (or a fifth of the mean gap) behind its schedule is late.
 pub fn open_loop(
     driver: &Arc<dyn Driver>,
     prompts: &Prompts,
     bucket: Bucket,
     rate_per_s: f64,
     total_requests: u32,
+    late_after_s: f64,
     salt: u64,
 ) -> ProbeRun {
     let mut rng = rand::rngs::StdRng::seed_from_u64(salt);
     let in_flight = Arc::new(InFlight::default());
     let mean_gap_s = 1.0 / rate_per_s.max(1e-9);
-    let late_after_s = (0.2 * mean_gap_s).max(0.010);
+    let late_after_s = (0.2 * mean_gap_s).max(late_after_s);
     let cpu_before = client_cpu(&**driver);
     let start = Instant::now();
     let monitor = Monitor::start(driver, &in_flight, start);
@@ -516,7 +518,7 @@ mod tests {
             seen: Mutex::new(vec![]),
         });
         let d: Arc<dyn Driver> = r.clone();
-        open_loop(&d, &Prompts::Synthetic, bucket, 200.0, 3, 1);
+        open_loop(&d, &Prompts::Synthetic, bucket, 200.0, 3, 0.010, 1);
         let seen = r.seen.lock().unwrap();
         assert_eq!(seen.len(), 3);
         assert!(seen

@@ -2,7 +2,7 @@
 //! concurrency (closed loop) or arrival rate (Poisson); an OOM, a crash or a
 //! failed load is recorded and the sweep goes on.
 
-use crate::config::{BenchConfig, Bucket, EnginePoint, MatrixPoint, Target};
+use crate::config::{BenchConfig, Bucket, EnginePoint, LoadConfig, MatrixPoint, Target};
 use crate::driver::{EngineDriver, HttpDriver, HttpSettings, PromptFormat};
 use crate::launch::{free_port, render, LaunchedServer};
 use crate::load::{closed_loop, open_loop, Driver, ProbeRun};
@@ -93,8 +93,9 @@ pub struct SweepOutput {
     pub telemetry: Vec<TelemetryRow>,
 }
 
-/// Summarises a probe and checks it against the SLOs.
-pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo) -> ProbeSummary {
+/// Summarises a probe and checks it against the SLOs (and, for its
+/// validity, against `load`'s client tolerances).
+pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig) -> ProbeSummary {
     let ok: Vec<_> = run.records.iter().filter(|r| r.error.is_none()).collect();
     let ms = |v: f64| v * 1e3;
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s.map(ms)).collect();
@@ -139,13 +140,15 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo) -> ProbeSummary {
         preemptions: run.preemptions,
         peak_memory_bytes: run.peak_memory_bytes,
         breaches: vec![],
-        // A worker that idled between its requests for over 100 ms (or a
-        // quarter of a median request) was not keeping the load closed; an
-        // open loop that sent over 5% of its arrivals late was not open; a
-        // load generator using over 90% of the cores measured itself.
+        // A worker that idled between its requests for over
+        // `load.max_client_gap_ms` (100 ms by default, or a quarter of a
+        // median request) was not keeping the load closed; an open loop that
+        // sent over `load.max_late_fraction` (5%) of its arrivals late was not
+        // open; a load generator using over 90% of the cores measured itself.
         client_cpu_fraction: run.client_cpu_fraction,
-        valid: run.max_client_gap_s < (0.25 * percentiles(&e2e).p50 / 1e3).max(0.1)
-            && run.late_fraction <= 0.05
+        valid: run.max_client_gap_s
+            < (0.25 * percentiles(&e2e).p50).max(load.max_client_gap_ms) / 1e3
+            && run.late_fraction <= load.max_late_fraction
             && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
     };
     s.breaches = breaches(&s, slo);
@@ -530,7 +533,15 @@ fn run_point(
             let run = if open_loop_mode {
                 let total =
                     ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests);
-                open_loop(&session.driver, &cfg.prompts, *bucket, rate, total, salt)
+                open_loop(
+                    &session.driver,
+                    &cfg.prompts,
+                    *bucket,
+                    rate,
+                    total,
+                    cfg.load.late_after_ms / 1e3,
+                    salt,
+                )
             } else {
                 let total = (k * cfg.load.rounds).max(cfg.load.min_requests);
                 closed_loop(&session.driver, &cfg.prompts, *bucket, k, total, salt)
@@ -538,7 +549,7 @@ fn run_point(
             let probe_id = ctx.probes_total;
             ctx.probes_total += 1;
             let shown = if open_loop_mode { run.max_in_flight } else { k };
-            let mut s = summarise(&run, shown, &cfg.slo);
+            let mut s = summarise(&run, shown, &cfg.slo, &cfg.load);
             let died = session.died();
             if let Some(c) = died {
                 s.breaches.insert(0, c);

@@ -42,6 +42,9 @@ buckets = ["16x32"]
 concurrency_max = 32
 [load]
 rounds = 2
+# The KV arithmetic is under test, not the machine: a worker stalled by a
+# loaded CI machine does not make a probe client-limited.
+max_client_gap_ms = 1000
 [slo]
 itl_p95_ms = 2000
 headroom = 0.2
@@ -162,7 +165,7 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
         safe * 6,
         77,
     );
-    let s = summarise(&run, safe, &cfg.slo);
+    let s = summarise(&run, safe, &cfg.slo, &cfg.load);
     assert_eq!(s.preemptions, Some(0));
     assert!(s.breaches.is_empty(), "{:?}", s.breaches);
     assert_eq!(s.errors, 0);

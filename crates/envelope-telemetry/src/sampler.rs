@@ -203,6 +203,15 @@ impl Drop for Sampler {
 mod tests {
     use super::*;
 
+    /// Polls the series until `f` holds or 10 s pass, however slowly the
+    /// sampler's thread is scheduled.
+    fn wait_until(s: &Sampler, f: impl Fn(&Series) -> bool) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !f(&s.series.lock().unwrap()) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
     fn records_a_series_with_peaks_and_timestamps() {
         let s = Sampler::start(SamplerConfig {
@@ -211,7 +220,9 @@ mod tests {
         });
         // Grow RSS while sampling so the peak has something to catch.
         let ballast: Vec<u8> = std::hint::black_box(vec![1; 64 << 20]);
-        std::thread::sleep(Duration::from_millis(150));
+        // At least 5 samples, one of them taken wholly after the ballast.
+        let before = s.series.lock().unwrap().samples.len();
+        wait_until(&s, |x| x.samples.len() >= (before + 2).max(5));
         assert!(s.latest().is_some());
         let series = s.stop();
         drop(ballast);
@@ -252,7 +263,10 @@ mod tests {
             max_samples: 3,
             pid: None,
         });
-        std::thread::sleep(Duration::from_millis(60));
+        // Full, then until the oldest of those three was dropped.
+        wait_until(&s, |x| x.samples.len() >= 3);
+        let first = s.series.lock().unwrap().samples[0].unix_ms;
+        wait_until(&s, |x| x.samples[0].unix_ms > first);
         let series = s.stop();
         assert_eq!(series.samples.len(), 3);
     }
