@@ -118,6 +118,11 @@ pub struct ReportArgs {
     /// Directory for the reports (default: the profile's directory).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Also write the profile, in the current schema, as profile.json in
+    /// that directory (an older profile's per-bucket table is rebuilt from
+    /// its sweep results where it holds them).
+    #[arg(long)]
+    pub upgrade: bool,
 }
 
 #[derive(Args, Debug)]
@@ -202,6 +207,16 @@ pub struct EngineArgs {
     /// is then a fraction of the GPU's free memory after the weights.
     #[arg(long, env = "ENVELOPE_DEVICE", default_value = "cpu")]
     pub device: envelope_cuda::DeviceSetting,
+    /// Test aid: every step also sleeps this many ms per sequence it
+    /// computes, so the server acts like a slower, compute-bound device
+    /// (the governor's latency-guard tests). 0 (default) in real use.
+    #[arg(
+        long,
+        env = "ENVELOPE_SLOW_STEP_MS_PER_SEQ",
+        default_value_t = 0,
+        hide = true
+    )]
+    pub slow_step_ms_per_seq: u64,
 }
 
 impl EngineArgs {
@@ -245,6 +260,7 @@ impl EngineArgs {
                 static_batch_wait_ms: self.static_batch_wait_ms,
             },
             max_model_len: self.max_model_len,
+            slow_step_ms_per_seq: self.slow_step_ms_per_seq,
         })
     }
 

@@ -55,13 +55,21 @@ fn run(cli: Cli) -> Result<()> {
             let path = args.profile.display().to_string();
             let text = std::fs::read_to_string(&args.profile)
                 .with_context(|| format!("reading {path}"))?;
-            let profile = envelope_profile::Profile::from_json(&text, &path)?;
+            let mut profile = envelope_profile::Profile::from_json(&text, &path)?;
             let dir = args.out.clone().unwrap_or_else(|| {
                 args.profile
                     .parent()
                     .map(|p| p.to_path_buf())
                     .unwrap_or_default()
             });
+            if args.upgrade {
+                profile.schema = envelope_profile::PROFILE_SCHEMA.into();
+                let to = dir.join("profile.json");
+                std::fs::create_dir_all(&dir)?;
+                std::fs::write(&to, serde_json::to_string_pretty(&profile)? + "\n")
+                    .with_context(|| format!("writing {}", to.display()))?;
+                println!("wrote {} ({})", to.display(), profile.schema);
+            }
             envelope_harness::report::write_all(&profile, &dir)
                 .with_context(|| format!("writing reports into {}", dir.display()))?;
             println!("wrote {}/report.md, report.html and plots/", dir.display());

@@ -173,6 +173,16 @@ pub fn run(args: &SweepArgs) -> Result<()> {
         p.limits.max_concurrent_seqs,
         p.limits.max_kv_tokens_in_flight
     );
+    let table: Vec<String> = p
+        .limits
+        .buckets
+        .iter()
+        .map(|b| format!("{} safe at {}", b.label(), b.safe_concurrency))
+        .collect();
+    println!(
+        "envelope per bucket (the governor charges each sequence 1 / its bucket's safe concurrency): {}",
+        table.join(", ")
+    );
     if let Some(q) = &p.quality {
         println!(
             "quality of {} on {} ({} tokens scored): perplexity {:.3}{}",

@@ -26,6 +26,8 @@ fn reports_from_the_committed_profile() {
         md.contains("| q8_0-f32-continuous | 128x64 | 7 | 6 | kv_cache |"),
         "{md}"
     );
+    // The governor's table per bucket: 128x64 safe at 6 costs 1/6 of the node.
+    assert!(md.contains("| 128x64 | 6 | 1/6 | 1152 |"), "{md}");
     assert!(std::fs::read_to_string(out.join("report.html"))
         .unwrap()
         .contains("<table>"));

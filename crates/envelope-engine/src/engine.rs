@@ -35,6 +35,10 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Longest sequence (prompt + output) accepted; defaults to the model's context.
     pub max_model_len: Option<usize>,
+    /// Test aid: each step also sleeps this many ms per sequence it
+    /// computes, so the engine acts like a slower, compute-bound device
+    /// (latency grows with the batch). 0 in real use.
+    pub slow_step_ms_per_seq: u64,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +49,7 @@ impl Default for EngineConfig {
             block_size: 16,
             scheduler: SchedulerConfig::default(),
             max_model_len: None,
+            slow_step_ms_per_seq: 0,
         }
     }
 }
@@ -290,6 +295,7 @@ pub struct Engine {
     pub info: EngineInfo,
     pub metrics: Arc<EngineMetrics>,
     step: u64,
+    slow_step_ms_per_seq: u64,
 }
 
 /// Host memory the OS reports available (`MemAvailable`), in bytes.
@@ -482,6 +488,7 @@ impl Engine {
             info,
             metrics,
             step: 0,
+            slow_step_ms_per_seq: cfg.slow_step_ms_per_seq,
         }
     }
 
@@ -589,6 +596,10 @@ impl Engine {
     pub fn step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
         let plan: Plan = self.scheduler.schedule();
+        if self.slow_step_ms_per_seq > 0 && !plan.work.is_empty() {
+            let ms = self.slow_step_ms_per_seq * plan.work.len() as u64;
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         for id in &plan.preempted {
             if let Some(s) = self.seqs.get_mut(id) {
                 s.preemptions += 1;

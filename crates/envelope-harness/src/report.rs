@@ -46,6 +46,40 @@ fn limits_line(p: &Profile) -> String {
     )
 }
 
+/// The governor's per-bucket table: header and one row per bucket.
+fn envelope_rows(p: &Profile) -> (Vec<&'static str>, Vec<Vec<String>>) {
+    let head = vec![
+        "bucket",
+        "safe concurrency",
+        "share per sequence",
+        "KV tokens",
+        "TTFT p95 ms",
+        "ITL p95 ms",
+        "out tok/s",
+        "measured at",
+    ];
+    let o = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
+    let rows = p
+        .limits
+        .buckets
+        .iter()
+        .map(|b| {
+            vec![
+                b.label(),
+                b.safe_concurrency.to_string(),
+                format!("1/{}", b.safe_concurrency),
+                b.kv_tokens.to_string(),
+                o(b.ttft_p95_ms),
+                o(b.itl_p95_ms),
+                o(b.output_tok_per_s),
+                b.measured_at_concurrency
+                    .map_or("-".into(), |c| format!("{c} concurrent")),
+            ]
+        })
+        .collect();
+    (head, rows)
+}
+
 fn slo_line(p: &Profile) -> String {
     let s = &p.slo;
     let o = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x} ms"));
@@ -74,7 +108,13 @@ pub fn markdown(p: &Profile) -> String {
         p.selected,
         limits_line(p)
     );
-    s += "## Safe operating points\n\n";
+    s += "## The envelope the governor enforces\n\nEach admitted sequence is charged `1 / safe concurrency` of the node, from the smallest bucket whose input + output tokens cover its prompt + max_tokens.\n\n";
+    let (head, table) = envelope_rows(p);
+    s += &format!("| {} |\n|{}\n", head.join(" | "), "---|".repeat(head.len()));
+    for r in table {
+        s += &format!("| {} |\n", r.join(" | "));
+    }
+    s += "\n## Safe operating points\n\n";
     s += &format!("| {} |\n|{}\n", HEAD.join(" | "), "---|".repeat(HEAD.len()));
     for c in &p.configs {
         if let Some(e) = &c.error {
@@ -136,6 +176,20 @@ pub fn html(p: &Profile) -> String {
         esc(&p.selected),
         esc(&limits_line(p))
     );
+    s += "<h2>The envelope the governor enforces</h2><table><tr>";
+    let (head, table) = envelope_rows(p);
+    for h in &head {
+        s += &format!("<th>{}</th>", esc(h));
+    }
+    s += "</tr>";
+    for r in table {
+        s += "<tr>";
+        for c in r {
+            s += &format!("<td>{}</td>", esc(&c));
+        }
+        s += "</tr>";
+    }
+    s += "</table>";
     s += "<h2>Safe operating points</h2><table><tr>";
     for h in HEAD {
         s += &format!("<th>{h}</th>");

@@ -266,6 +266,7 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
             ..SchedulerConfig::default()
         },
         max_model_len: None,
+        slow_step_ms_per_seq: 0,
     };
     let opts = LoadOptions {
         precision: e.precision,
@@ -804,7 +805,7 @@ pub fn run_sweep(
     let telemetry = ctx.telemetry;
     let rows = (ctx.requests, ctx.probes);
     // The limits come from the configuration with the most output tok/s at
-    // its feasible points, and hold for every bucket of it.
+    // its feasible points: its table per bucket, and caps over all of them.
     let score = |c: &ConfigResult| -> f64 {
         c.buckets
             .iter()
@@ -816,33 +817,13 @@ pub fn run_sweep(
         .filter(|c| c.error.is_none() && !c.buckets.is_empty())
         .max_by(|a, b| score(a).total_cmp(&score(b)));
     let limits = match best {
-        Some(c) => Limits {
-            max_context_tokens: c
-                .buckets
-                .iter()
-                .map(|b| (b.input_tokens + b.output_tokens) as u64)
-                .max()
-                .unwrap_or(1),
-            max_output_tokens: c
-                .buckets
-                .iter()
-                .map(|b| b.output_tokens as u64)
-                .max()
-                .unwrap_or(1),
-            max_concurrent_seqs: c
-                .buckets
-                .iter()
-                .map(|b| b.safe_concurrency as u64)
-                .min()
-                .unwrap_or(0)
-                .max(1),
-            max_kv_tokens_in_flight: kv_tokens_limit(c, cfg.slo.headroom),
-        },
+        Some(c) => Limits::from_config(c, kv_tokens_limit(c, cfg.slo.headroom)),
         None => Limits {
             max_context_tokens: 1,
             max_output_tokens: 1,
             max_concurrent_seqs: 1,
             max_kv_tokens_in_flight: 1,
+            buckets: vec![],
         },
     };
     let (quality, quality_error) = match score_quality(cfg, best) {

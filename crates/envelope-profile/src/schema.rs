@@ -1,11 +1,19 @@
-//! Profile schema, version 1 (`profiles/schema/profile.schema.json`
+//! Profile schema, version 2 (`profiles/schema/profile.schema.json`
 //! describes the same shape). Parse, then validate: [`Profile::from_json`]
 //! rejects a profile the governor could not enforce, naming the field.
+//!
+//! Version 2 adds `limits.buckets`, the measured envelope per request shape
+//! (context bucket -> safe concurrency, KV tokens, latency at that point).
+//! A version 1 profile still loads: its table is rebuilt from the selected
+//! configuration's sweep results where the profile holds them, else it is
+//! one row made of the scalar limits.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-pub const PROFILE_SCHEMA: &str = "envelope.profile/v1";
+pub const PROFILE_SCHEMA: &str = "envelope.profile/v2";
+/// The previous version, still read (see [`Profile::from_json`]).
+pub const PROFILE_SCHEMA_V1: &str = "envelope.profile/v1";
 
 /// Why a probe or a configuration stopped being feasible.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -192,10 +200,150 @@ pub struct ConfigResult {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
+    /// Prompt + max_tokens of one sequence.
     pub max_context_tokens: u64,
     pub max_output_tokens: u64,
+    /// The most sequences in flight of any shape (the largest bucket
+    /// concurrency); the per-bucket table bounds a mix.
     pub max_concurrent_seqs: u64,
     pub max_kv_tokens_in_flight: u64,
+    /// The envelope per request shape, smallest bucket first. Each admitted
+    /// sequence is charged `1 / safe_concurrency` of the node, from the
+    /// smallest bucket whose `input_tokens + output_tokens` covers its
+    /// prompt + max_tokens. Never empty after [`Profile::from_json`].
+    #[serde(default)]
+    pub buckets: Vec<BucketLimit>,
+}
+
+/// One row of the per-shape envelope: a context bucket as the sweep
+/// measured it, and what was safe there.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BucketLimit {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Concurrent sequences of this shape that stayed inside every SLO
+    /// (feasible less the headroom; at least 1).
+    pub safe_concurrency: u64,
+    /// KV tokens those sequences hold at most: safe_concurrency x (input + output).
+    pub kv_tokens: u64,
+    /// Measured at the closest probe at or under the safe concurrency
+    /// (None where the sweep has no such probe, or for a migrated row).
+    #[serde(default)]
+    pub ttft_p95_ms: Option<f64>,
+    #[serde(default)]
+    pub itl_p95_ms: Option<f64>,
+    #[serde(default)]
+    pub e2e_p99_ms: Option<f64>,
+    /// Output tokens per second and requests per second at that probe.
+    #[serde(default)]
+    pub output_tok_per_s: Option<f64>,
+    #[serde(default)]
+    pub request_per_s: Option<f64>,
+    /// The probe's concurrency these figures come from.
+    #[serde(default)]
+    pub measured_at_concurrency: Option<u64>,
+}
+
+impl BucketLimit {
+    pub fn total_tokens(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+
+    /// `64x32`: the label used in metrics, messages and reports.
+    pub fn label(&self) -> String {
+        format!("{}x{}", self.input_tokens, self.output_tokens)
+    }
+
+    /// A row from one bucket of a sweep: safe concurrency at least 1, the
+    /// latency figures of the largest valid probe at or under it.
+    pub fn from_result(b: &BucketResult) -> BucketLimit {
+        let safe = (b.safe_concurrency as u64).max(1);
+        let at = b
+            .probes
+            .iter()
+            .filter(|p| p.valid && p.breaches.is_empty() && p.concurrency as u64 <= safe)
+            .max_by_key(|p| p.concurrency)
+            .or(b.at_feasible.as_ref());
+        BucketLimit {
+            input_tokens: b.input_tokens as u64,
+            output_tokens: b.output_tokens as u64,
+            safe_concurrency: safe,
+            kv_tokens: safe * (b.input_tokens + b.output_tokens) as u64,
+            ttft_p95_ms: at.map(|p| p.ttft_ms.p95),
+            itl_p95_ms: at.map(|p| p.itl_ms.p95),
+            e2e_p99_ms: at.map(|p| p.e2e_ms.p99),
+            output_tok_per_s: at.map(|p| p.output_tok_per_s),
+            request_per_s: at.map(|p| p.request_per_s),
+            measured_at_concurrency: at.map(|p| p.concurrency as u64),
+        }
+    }
+}
+
+impl Limits {
+    /// The limits a configuration's sweep results give: context and output
+    /// caps from its largest buckets, concurrency from its largest safe
+    /// concurrency, the per-bucket table, and `kv_tokens` for the KV budget.
+    pub fn from_config(c: &ConfigResult, kv_tokens: u64) -> Limits {
+        let mut buckets: Vec<BucketLimit> =
+            c.buckets.iter().map(BucketLimit::from_result).collect();
+        sort_buckets(&mut buckets);
+        Limits {
+            max_context_tokens: buckets.iter().map(|b| b.total_tokens()).max().unwrap_or(1),
+            max_output_tokens: buckets.iter().map(|b| b.output_tokens).max().unwrap_or(1),
+            max_concurrent_seqs: buckets
+                .iter()
+                .map(|b| b.safe_concurrency)
+                .max()
+                .unwrap_or(1),
+            max_kv_tokens_in_flight: kv_tokens.max(1),
+            buckets,
+        }
+    }
+
+    /// The single row a table-less (version 1) profile stands for: every
+    /// request up to the context cap, at the one concurrency.
+    pub fn single_row(&self) -> BucketLimit {
+        let input = self
+            .max_context_tokens
+            .saturating_sub(self.max_output_tokens);
+        BucketLimit {
+            input_tokens: input,
+            output_tokens: self.max_output_tokens,
+            safe_concurrency: self.max_concurrent_seqs.max(1),
+            kv_tokens: self.max_concurrent_seqs.max(1) * self.max_context_tokens,
+            ttft_p95_ms: None,
+            itl_p95_ms: None,
+            e2e_p99_ms: None,
+            output_tok_per_s: None,
+            request_per_s: None,
+            measured_at_concurrency: None,
+        }
+    }
+
+    /// The smallest measured bucket covering `total_tokens` (prompt +
+    /// max_tokens of one sequence); among buckets of one size the lower
+    /// safe concurrency. `None` past the largest bucket.
+    pub fn bucket_for(&self, total_tokens: u64) -> Option<(usize, &BucketLimit)> {
+        self.buckets
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.total_tokens() >= total_tokens)
+    }
+
+    pub fn largest_bucket(&self) -> Option<&BucketLimit> {
+        self.buckets.last()
+    }
+}
+
+/// Smallest total first; equal totals by safe concurrency, lowest first, so
+/// [`Limits::bucket_for`] picks the stricter of two equal-sized rows.
+pub fn sort_buckets(b: &mut [BucketLimit]) {
+    b.sort_by(|x, y| {
+        x.total_tokens()
+            .cmp(&y.total_tokens())
+            .then(x.safe_concurrency.cmp(&y.safe_concurrency))
+    });
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -234,12 +382,28 @@ impl Profile {
             path: path.to_string(),
             message: m,
         };
-        let p: Profile = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-        if p.schema != PROFILE_SCHEMA {
+        let mut p: Profile = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        if p.schema != PROFILE_SCHEMA && p.schema != PROFILE_SCHEMA_V1 {
             return Err(bad(format!(
-                "field `schema` is `{}`, expected `{PROFILE_SCHEMA}`",
+                "field `schema` is `{}`, expected `{PROFILE_SCHEMA}` (or `{PROFILE_SCHEMA_V1}`)",
                 p.schema
             )));
+        }
+        if p.limits.buckets.is_empty() {
+            p.limits.buckets = p.migrated_buckets();
+            // v1 kept the smallest bucket's concurrency for every request;
+            // with the table the cap is the largest and the table bounds a mix.
+            let most = p.limits.buckets.iter().map(|b| b.safe_concurrency).max();
+            p.limits.max_concurrent_seqs = most.unwrap_or(1).max(p.limits.max_concurrent_seqs);
+        }
+        sort_buckets(&mut p.limits.buckets);
+        for (i, b) in p.limits.buckets.iter().enumerate() {
+            if b.safe_concurrency == 0 || b.total_tokens() == 0 {
+                return Err(bad(format!(
+                    "field `limits.buckets[{i}]` ({}): `safe_concurrency` and `input_tokens + output_tokens` must be at least 1",
+                    b.label()
+                )));
+            }
         }
         let l = &p.limits;
         for (name, v) in [
@@ -265,6 +429,27 @@ impl Profile {
         }
         Ok(p)
     }
+
+    /// The per-bucket table of a profile written without one (schema v1):
+    /// from the selected configuration's buckets where the profile holds
+    /// them (the sweep's raw results), else one row of the scalar limits.
+    fn migrated_buckets(&self) -> Vec<BucketLimit> {
+        let from_sweep: Vec<BucketLimit> = self
+            .configs
+            .iter()
+            .find(|c| c.name == self.selected && c.error.is_none())
+            .map(|c| c.buckets.iter().map(BucketLimit::from_result).collect())
+            .unwrap_or_default();
+        // Rows past the context cap could never be used; a table that does
+        // not reach the cap would refuse what v1 admitted.
+        let cap = self.limits.max_context_tokens;
+        let reaches = from_sweep.iter().any(|b| b.total_tokens() >= cap);
+        if !from_sweep.is_empty() && reaches {
+            from_sweep
+        } else {
+            vec![self.limits.single_row()]
+        }
+    }
 }
 
 #[cfg(test)]
@@ -284,10 +469,113 @@ mod tests {
                 max_output_tokens: 512,
                 max_concurrent_seqs: 8,
                 max_kv_tokens_in_flight: 8192,
+                buckets: vec![],
             },
             probes_total: 0,
             quality: None,
         }
+    }
+
+    fn bucket(input: u32, output: u32, safe: u32, probes: &[(u32, f64)]) -> BucketResult {
+        let probes: Vec<ProbeSummary> = probes
+            .iter()
+            .map(|&(c, ttft)| ProbeSummary {
+                concurrency: c,
+                ttft_ms: Percentiles {
+                    p95: ttft,
+                    ..Default::default()
+                },
+                output_tok_per_s: 10.0 * c as f64,
+                valid: true,
+                ..Default::default()
+            })
+            .collect();
+        BucketResult {
+            input_tokens: input,
+            output_tokens: output,
+            feasible_concurrency: safe + 1,
+            infeasible_concurrency: None,
+            safe_concurrency: safe,
+            binding_constraint: Constraint::TtftP95,
+            knee_concurrency: None,
+            at_feasible: probes.last().cloned(),
+            feasible_rate_per_s: None,
+            safe_rate_per_s: None,
+            probes,
+        }
+    }
+
+    fn config(buckets: Vec<BucketResult>) -> ConfigResult {
+        ConfigResult {
+            name: "x".into(),
+            precision: "q4_1".into(),
+            kv_dtype: "f16".into(),
+            batch_policy: "continuous".into(),
+            max_num_seqs: 16,
+            memory: MemoryReport::default(),
+            backend: None,
+            buckets,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn the_table_comes_from_the_sweep_per_bucket() {
+        let c = config(vec![
+            bucket(
+                256,
+                32,
+                4,
+                &[(1, 100.0), (2, 150.0), (4, 300.0), (8, 900.0)],
+            ),
+            bucket(64, 32, 13, &[(1, 50.0), (8, 200.0), (16, 700.0)]),
+        ]);
+        let l = Limits::from_config(&c, 5000);
+        assert_eq!(l.max_concurrent_seqs, 13);
+        assert_eq!((l.max_context_tokens, l.max_output_tokens), (288, 32));
+        let labels: Vec<String> = l.buckets.iter().map(|b| b.label()).collect();
+        assert_eq!(labels, ["64x32", "256x32"]);
+        // Latency from the largest clean probe at or under the safe point.
+        assert_eq!(l.buckets[0].measured_at_concurrency, Some(8));
+        assert_eq!(l.buckets[0].ttft_p95_ms, Some(200.0));
+        assert_eq!(l.buckets[1].ttft_p95_ms, Some(300.0));
+        assert_eq!(l.buckets[1].kv_tokens, 4 * 288);
+        // The smallest covering bucket; none past the largest.
+        assert_eq!(l.bucket_for(97).unwrap().1.label(), "256x32");
+        assert_eq!(l.bucket_for(96).unwrap().0, 0);
+        assert_eq!(l.bucket_for(1).unwrap().0, 0);
+        assert!(l.bucket_for(289).is_none());
+    }
+
+    #[test]
+    fn a_v1_profile_loads_with_its_table_rebuilt_from_the_sweep() {
+        let mut p = sample();
+        p.schema = PROFILE_SCHEMA_V1.into();
+        p.limits = Limits {
+            max_context_tokens: 288,
+            max_output_tokens: 32,
+            max_concurrent_seqs: 4,
+            max_kv_tokens_in_flight: 5000,
+            buckets: vec![],
+        };
+        p.configs = vec![config(vec![
+            bucket(64, 32, 13, &[(8, 200.0)]),
+            bucket(256, 32, 4, &[(4, 300.0)]),
+        ])];
+        let mut v = serde_json::to_value(&p).unwrap();
+        v["limits"].as_object_mut().unwrap().remove("buckets");
+        let got = Profile::from_json(&v.to_string(), "old.json").unwrap();
+        assert_eq!(got.limits.buckets.len(), 2);
+        assert_eq!(got.limits.max_concurrent_seqs, 13);
+        // Without the sweep's results: one row of the scalar limits.
+        p.configs.clear();
+        let mut v = serde_json::to_value(&p).unwrap();
+        v["limits"].as_object_mut().unwrap().remove("buckets");
+        let got = Profile::from_json(&v.to_string(), "old.json").unwrap();
+        assert_eq!(got.limits.buckets.len(), 1);
+        let row = &got.limits.buckets[0];
+        assert_eq!((row.label(), row.safe_concurrency), ("256x32".into(), 4));
+        assert_eq!(got.limits.max_concurrent_seqs, 4);
     }
 
     #[test]
@@ -310,7 +598,12 @@ mod tests {
     #[test]
     fn round_trips_and_validates() {
         let text = serde_json::to_string(&sample()).unwrap();
-        assert_eq!(Profile::from_json(&text, "p.json").unwrap(), sample());
+        let mut want = sample();
+        want.limits.buckets = vec![want.limits.single_row()];
+        let got = Profile::from_json(&text, "p.json").unwrap();
+        assert_eq!(got, want);
+        let again = serde_json::to_string(&got).unwrap();
+        assert_eq!(Profile::from_json(&again, "p.json").unwrap(), want);
         let mut p = sample();
         p.limits.max_concurrent_seqs = 0;
         let e = Profile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
@@ -329,6 +622,16 @@ mod tests {
                 .contains("schema")
         );
         assert!(Profile::from_json("{", "p.json").is_err());
+        let mut p = sample();
+        p.limits.buckets = vec![p.limits.single_row()];
+        p.limits.buckets[0].safe_concurrency = 0;
+        let e = Profile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("limits.buckets[0]") && e.contains("1792x256"),
+            "{e}"
+        );
         assert_eq!(Constraint::KvCache.as_str(), "kv_cache");
         assert_eq!(
             serde_json::to_string(&Constraint::ItlP95).unwrap(),

@@ -81,6 +81,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
             max_output_tokens: 64,
             max_concurrent_seqs: 8,
             max_kv_tokens_in_flight: 1000,
+            buckets: vec![],
         },
         probes_total: 4,
         quality: Some(QualityReport {

@@ -176,6 +176,7 @@ fn profile() -> Profile {
             max_output_tokens: 2048,
             max_concurrent_seqs: 64,
             max_kv_tokens_in_flight: 500_000,
+            buckets: vec![],
         },
         probes_total: 4,
         quality: None,
