@@ -389,22 +389,6 @@ impl Profile {
                 p.schema
             )));
         }
-        if p.limits.buckets.is_empty() {
-            p.limits.buckets = p.migrated_buckets();
-            // v1 kept the smallest bucket's concurrency for every request;
-            // with the table the cap is the largest and the table bounds a mix.
-            let most = p.limits.buckets.iter().map(|b| b.safe_concurrency).max();
-            p.limits.max_concurrent_seqs = most.unwrap_or(1).max(p.limits.max_concurrent_seqs);
-        }
-        sort_buckets(&mut p.limits.buckets);
-        for (i, b) in p.limits.buckets.iter().enumerate() {
-            if b.safe_concurrency == 0 || b.total_tokens() == 0 {
-                return Err(bad(format!(
-                    "field `limits.buckets[{i}]` ({}): `safe_concurrency` and `input_tokens + output_tokens` must be at least 1",
-                    b.label()
-                )));
-            }
-        }
         let l = &p.limits;
         for (name, v) in [
             ("limits.max_context_tokens", l.max_context_tokens),
@@ -420,6 +404,22 @@ impl Profile {
             return Err(bad(
                 "field `limits.max_output_tokens` exceeds `limits.max_context_tokens`".into(),
             ));
+        }
+        if p.limits.buckets.is_empty() {
+            p.limits.buckets = p.migrated_buckets();
+            // v1 kept the smallest bucket's concurrency for every request;
+            // with the table the cap is the largest and the table bounds a mix.
+            let most = p.limits.buckets.iter().map(|b| b.safe_concurrency).max();
+            p.limits.max_concurrent_seqs = most.unwrap_or(1).max(p.limits.max_concurrent_seqs);
+        }
+        sort_buckets(&mut p.limits.buckets);
+        for (i, b) in p.limits.buckets.iter().enumerate() {
+            if b.safe_concurrency == 0 || b.total_tokens() == 0 {
+                return Err(bad(format!(
+                    "field `limits.buckets[{i}]` ({}): `safe_concurrency` and `input_tokens + output_tokens` must be at least 1",
+                    b.label()
+                )));
+            }
         }
         if !(0.0..1.0).contains(&p.slo.headroom) {
             return Err(bad(format!(
@@ -629,7 +629,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("limits.buckets[0]") && e.contains("1792x256"),
+            e.contains("limits.buckets[0]") && e.contains("1536x512"),
             "{e}"
         );
         assert_eq!(Constraint::KvCache.as_str(), "kv_cache");
