@@ -7,7 +7,8 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use envelope_governor::{
-    live, AppState, Governor, LadderConfig, OverLimit, Settings, TenantsFile, TokenCounter,
+    live, AppState, Beyond, Governor, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile,
+    TokenCounter,
 };
 use envelope_profile::Profile;
 use serde::Deserialize;
@@ -106,6 +107,21 @@ pub struct GovernArgs {
     /// Profile fingerprint differs from the node: refuse, conservative (half the capacity, default), ignore.
     #[arg(long, env = "ENVELOPE_GOVERN_ON_MISMATCH")]
     pub on_mismatch: Option<String>,
+    /// A request past the profile's largest measured bucket: refuse (400 naming the bucket, default) or alone (admitted by itself, charged the whole node).
+    #[arg(long, env = "ENVELOPE_GOVERN_BEYOND_ENVELOPE")]
+    pub beyond_envelope: Option<Beyond>,
+    /// TTFT budget of interactive requests (queue wait + the bucket's measured TTFT), ms (default: the profile's TTFT SLO).
+    #[arg(long, env = "ENVELOPE_GOVERN_INTERACTIVE_TTFT_BUDGET_MS")]
+    pub interactive_ttft_budget_ms: Option<f64>,
+    /// TTFT budget of batch requests, ms (default: none, only the deadline).
+    #[arg(long, env = "ENVELOPE_GOVERN_BATCH_TTFT_BUDGET_MS")]
+    pub batch_ttft_budget_ms: Option<f64>,
+    /// Over the TTFT budget: shed (429 with Retry-After, default) or queue (until the deadline).
+    #[arg(long, env = "ENVELOPE_GOVERN_OVER_BUDGET")]
+    pub over_budget: Option<OverBudget>,
+    /// Latency guard: lower the admitted share of the envelope while proxied TTFT/ITL p95 break the profile's SLOs (default true).
+    #[arg(long, env = "ENVELOPE_GOVERN_LATENCY_GUARD")]
+    pub latency_guard: Option<bool>,
     /// Time in-flight requests get to finish after SIGTERM, ms (default 30000).
     #[arg(long, env = "ENVELOPE_GOVERN_DRAIN_TIMEOUT_MS")]
     pub drain_timeout_ms: Option<u64>,
@@ -159,7 +175,12 @@ impl GovernArgs {
             guard_min_gpu_free_bytes,
             on_mismatch,
             drain_timeout_ms,
-            admin_token
+            admin_token,
+            beyond_envelope,
+            interactive_ttft_budget_ms,
+            batch_ttft_budget_ms,
+            over_budget,
+            latency_guard
         );
         Ok(self)
     }
@@ -186,9 +207,15 @@ impl GovernArgs {
         if let Some(v) = self.max_kv_tokens_in_flight {
             limits.max_kv_tokens_in_flight = v;
         }
-        let id = format!("{}@{}", profile.selected, profile.created_unix_ms);
-        let mut s = Settings::new(limits, id);
+        let mut s = Settings::from_profile(&profile, limits);
         s.over_limit = self.over_limit.unwrap_or(OverLimit::Clamp);
+        s.beyond = self.beyond_envelope.unwrap_or(Beyond::Refuse);
+        if self.interactive_ttft_budget_ms.is_some() {
+            s.interactive_ttft_budget_ms = self.interactive_ttft_budget_ms;
+        }
+        s.batch_ttft_budget_ms = self.batch_ttft_budget_ms;
+        s.over_budget = self.over_budget.unwrap_or(OverBudget::Shed);
+        s.latency.enabled = self.latency_guard.unwrap_or(true);
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = self.$f { s.$f = v; } )* };
         }
@@ -355,7 +382,43 @@ async fn run_async(args: GovernArgs) -> Result<()> {
         max_output_tokens = l.max_output_tokens, max_concurrent_seqs = l.max_concurrent_seqs,
         max_kv_tokens_in_flight = l.max_kv_tokens_in_flight, counter = ?counter, "enforcing"
     );
+    let table: Vec<String> = l
+        .buckets
+        .iter()
+        .map(|b| format!("{} safe at {}", b.label(), b.safe_concurrency))
+        .collect();
+    tracing::info!("envelope per bucket (each sequence charged 1 / safe concurrency of the smallest bucket covering prompt + max_tokens): {}", table.join(", "));
+    let lat = &settings.latency;
+    let least_safe = l
+        .buckets
+        .iter()
+        .map(|b| b.safe_concurrency)
+        .min()
+        .unwrap_or(1);
+    if lat.active() && least_safe <= 1 {
+        tracing::warn!("latency guard: on, but it cannot lower anything: its floor is one sequence of the costliest bucket, which is safe at 1 (the whole node)");
+    } else if lat.active() {
+        tracing::info!(
+            ttft_p95_ms = ?lat.ttft_slo_ms, itl_p95_ms = ?lat.itl_slo_ms, e2e_ms = ?lat.e2e_slo_ms,
+            "latency guard: on (proxied TTFT, inter-token gaps and non-streaming e2e against the profile's SLOs)"
+        );
+    } else if lat.enabled {
+        tracing::warn!("latency guard: off, the profile has no latency SLO to hold");
+    }
+    if !args.guard.unwrap_or(true) {
+        tracing::warn!("live guard: off (--guard false): upstream metrics are not polled");
+    }
     let gov = Governor::new(settings);
+    // The latency guard climbs back in time when traffic is too thin to judge.
+    {
+        let gov = gov.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                gov.tick_latency();
+            }
+        });
+    }
     let mut state = AppState::new(gov.clone(), &upstream, counter);
     let reload: envelope_governor::ReloadHook = {
         let gov = gov.clone();

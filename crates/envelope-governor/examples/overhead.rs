@@ -124,6 +124,7 @@ fn main() {
             max_output_tokens: 1024,
             max_concurrent_seqs: 100_000,
             max_kv_tokens_in_flight: 100_000_000,
+            buckets: vec![],
         };
         let mut s = Settings::new(limits, "overhead");
         s.max_queue_len = 100_000;

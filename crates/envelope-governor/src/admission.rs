@@ -8,10 +8,12 @@
 use crate::error::{GovernError, OverloadReason};
 use crate::estimate::{retry_after_from_ms, DrainEstimator};
 use crate::ladder::{Ladder, Level, Reading};
-use crate::ledger::{Demand, Ledger};
+use crate::latency::{LatencyGuard, Sample};
+use crate::ledger::{units_per_sequence, Demand, Ledger, CAPACITY_UNITS};
 use crate::metrics::Metrics;
-use crate::policy::effective_limits;
+use crate::policy::{effective_limits, BucketCharge};
 use crate::queue::{AdmissionQueue, Class};
+use crate::settings::OverBudget;
 use crate::settings::Settings;
 use envelope_profile::Limits;
 use serde_json::json;
@@ -21,13 +23,59 @@ use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, Notify};
 
 type Waker = oneshot::Sender<Result<Permit, GovernError>>;
+/// What a queued request leaves in the queue: its wake-up and its charges.
+type Waiting = (Waker, Vec<BucketCharge>);
 
 struct Inner {
     ledger: Ledger,
-    queue: AdmissionQueue<Waker>,
+    queue: AdmissionQueue<Waiting>,
     ladder: Ladder,
+    latency: LatencyGuard,
     drain: DrainEstimator,
     requests_in_flight: u64,
+    /// Per bucket of the profile's table (and one more for requests past
+    /// it admitted alone): sequences and capacity units in flight.
+    buckets: Vec<Demand>,
+}
+
+/// The capacity a profile's limits give the ledger: its sequence and KV
+/// caps, and the whole node in capacity units.
+fn full_capacity(l: &Limits) -> Demand {
+    Demand {
+        seqs: l.max_concurrent_seqs,
+        kv_tokens: l.max_kv_tokens_in_flight,
+        capacity: CAPACITY_UNITS,
+    }
+}
+
+/// The least burst ceiling of any tenant, in capacity units: one sequence
+/// of the costliest shape admitted (the whole node when requests past the
+/// table are admitted alone).
+fn burst_floor(s: &Settings) -> u64 {
+    if s.beyond == crate::settings::Beyond::Alone {
+        CAPACITY_UNITS
+    } else {
+        costliest_sequence(s)
+    }
+}
+
+/// Capacity units of one sequence of the most expensive bucket.
+fn costliest_sequence(s: &Settings) -> u64 {
+    let least_safe = s
+        .limits
+        .buckets
+        .iter()
+        .map(|b| b.safe_concurrency)
+        .min()
+        .unwrap_or(1);
+    units_per_sequence(least_safe)
+}
+
+/// The latency guard's floor: one sequence of the most expensive bucket,
+/// so every shape the profile admits can still run.
+fn latency_guard(s: &Settings) -> LatencyGuard {
+    let floor = costliest_sequence(s) as f64 / CAPACITY_UNITS as f64;
+    LatencyGuard::new(s.latency.clone(), floor)
 }
 
 pub struct Governor {
@@ -52,6 +100,10 @@ pub struct Ask {
     /// When the request must be finished (arrival + deadline).
     pub deadline: Instant,
     pub demand: Demand,
+    /// The demand per bucket of the envelope (for the per-bucket gauges).
+    pub charges: Vec<BucketCharge>,
+    /// The profile's TTFT p95 for the most expensive bucket charged, ms.
+    pub expected_ttft_ms: Option<f64>,
 }
 
 /// A reservation in flight. Dropping it releases it.
@@ -59,7 +111,9 @@ pub struct Permit {
     gov: Arc<Governor>,
     tenant: String,
     demand: Demand,
+    charges: Vec<BucketCharge>,
     pub admitted_at: Instant,
+    admitted_ms: u64,
     pub queued_for: Duration,
     used_tokens: Option<u64>,
 }
@@ -72,13 +126,31 @@ impl Permit {
     pub fn settle(&mut self, used_tokens: u64) {
         self.used_tokens = Some(used_tokens);
     }
+
+    /// Gives the latency guard what the proxy timed of this request (from
+    /// its upstream send): TTFT and mean inter-token gap of a stream, or
+    /// the whole time of a non-streaming answer, in ms.
+    pub fn record_latency(&self, ttft_ms: Option<f64>, itl_ms: Option<f64>, e2e_ms: Option<f64>) {
+        self.gov.record_latency(Sample {
+            admitted_ms: self.admitted_ms,
+            done_ms: self.gov.now_ms(),
+            ttft_ms,
+            itl_ms,
+            e2e_ms,
+        });
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let service_ms = self.admitted_at.elapsed().as_millis() as u64;
-        self.gov
-            .release(&self.tenant, self.demand, service_ms, self.used_tokens);
+        self.gov.release(
+            &self.tenant,
+            self.demand,
+            &self.charges,
+            service_ms,
+            self.used_tokens,
+        );
     }
 }
 
@@ -101,14 +173,14 @@ impl Drop for Ticket<'_> {
 
 impl Governor {
     pub fn new(settings: Settings) -> Arc<Governor> {
-        let l = &settings.limits;
-        let cap = Demand {
-            seqs: l.max_concurrent_seqs,
-            kv_tokens: l.max_kv_tokens_in_flight,
-        };
+        let cap = full_capacity(&settings.limits);
         let shares = settings.tenants.shares().unwrap_or_default();
+        let mut ledger = Ledger::new(cap, &shares, settings.tenants.default_burst);
+        ledger.set_min_burst_capacity(burst_floor(&settings));
         let inner = Inner {
-            ledger: Ledger::new(cap, &shares, settings.tenants.default_burst),
+            latency: latency_guard(&settings),
+            buckets: vec![Demand::default(); settings.limits.buckets.len() + 1],
+            ledger,
             queue: AdmissionQueue::new(
                 settings.max_queue_len,
                 settings.max_queue_tokens,
@@ -178,13 +250,60 @@ impl Governor {
         self.lock().ladder.level()
     }
 
+    /// The caps in force: the ladder's on context, output and KV, the
+    /// latency guard's share of the envelope.
     fn apply_caps(&self, g: &mut Inner) {
         let s = self.settings();
         let l = effective_limits(&s.limits, g.ladder.level(), s.ladder.small_context_factor);
+        let units = (CAPACITY_UNITS as f64 * g.latency.fraction()).floor() as u64;
+        let floor = (CAPACITY_UNITS as f64 * g.latency.floor()).ceil() as u64;
         g.ledger.set_capacity(Demand {
-            seqs: l.max_concurrent_seqs,
-            kv_tokens: l.max_kv_tokens_in_flight,
+            capacity: units.max(floor),
+            ..full_capacity(&l)
         });
+    }
+
+    /// Lets the latency guard climb back when traffic is too thin to judge
+    /// (call it every second or so).
+    pub fn tick_latency(self: &Arc<Self>) {
+        let now_ms = self.now_ms();
+        let wakes = {
+            let mut g = self.lock();
+            if g.latency.tick(now_ms).is_none() {
+                return;
+            }
+            self.apply_caps(&mut g);
+            let w = self.pump(&mut g);
+            self.publish(&g);
+            w
+        };
+        Self::wake(wakes);
+    }
+
+    /// A completed request's timings: the latency guard judges them and
+    /// may move the share of the envelope admitted.
+    fn record_latency(self: &Arc<Self>, sample: Sample) {
+        let (changed, wakes) = {
+            let mut g = self.lock();
+            let changed = g.latency.record(sample);
+            if changed.is_some() {
+                self.apply_caps(&mut g);
+            }
+            let w = self.pump(&mut g);
+            self.publish(&g);
+            (changed.map(|f| (f, g.latency.cause, g.latency.last)), w)
+        };
+        if let Some((f, cause, o)) = changed {
+            tracing::warn!(
+                share = format!("{f:.3}"),
+                cause,
+                samples = o.samples,
+                ttft_p95_ms = ?o.ttft_p95_ms,
+                itl_p95_ms = ?o.itl_p95_ms,
+                "latency guard moved the admitted share of the envelope"
+            );
+        }
+        Self::wake(wakes);
     }
 
     /// Sets the gauges from the bookkeeping.
@@ -201,14 +320,49 @@ impl Governor {
         m.queued_requests.set(g.queue.len() as i64);
         m.queued_tokens.set(g.queue.queued_tokens() as i64);
         m.ladder_state.set(g.ladder.level() as i64);
+        m.capacity_used
+            .set(used.capacity as f64 / CAPACITY_UNITS as f64);
+        m.capacity_limit
+            .set(cap.capacity as f64 / CAPACITY_UNITS as f64);
+        let s = self.settings();
+        for (i, d) in g.buckets.iter().enumerate() {
+            let name = s
+                .limits
+                .buckets
+                .get(i)
+                .map(|b| b.label())
+                .unwrap_or_else(|| "beyond".into());
+            let l = crate::metrics::label("bucket", &name);
+            m.bucket_sequences.get_or_create(&l).set(d.seqs as i64);
+            m.bucket_capacity_used
+                .get_or_create(&l)
+                .set(d.capacity as f64 / CAPACITY_UNITS as f64);
+        }
     }
 
-    fn permit(self: &Arc<Self>, tenant: &str, demand: Demand, queued_for: Duration) -> Permit {
+    /// A permit for a reservation just made; counts it in its buckets.
+    fn permit(
+        self: &Arc<Self>,
+        g: &mut Inner,
+        tenant: &str,
+        demand: Demand,
+        charges: Vec<BucketCharge>,
+        queued_for: Duration,
+    ) -> Permit {
+        g.requests_in_flight += 1;
+        for c in &charges {
+            if let Some(b) = g.buckets.get_mut(c.bucket) {
+                b.seqs += c.seqs;
+                b.capacity += c.capacity;
+            }
+        }
         Permit {
             gov: self.clone(),
             tenant: tenant.to_string(),
             demand,
+            charges,
             admitted_at: Instant::now(),
+            admitted_ms: self.now_ms(),
             queued_for,
             used_tokens: None,
         }
@@ -222,13 +376,29 @@ impl Governor {
         let now = Instant::now();
         let mut out = Vec::with_capacity(p.granted.len() + p.never_fit.len());
         for e in p.granted {
-            g.requests_in_flight += 1;
             let waited = now.saturating_duration_since(e.enqueued);
-            out.push((e.payload, Ok(self.permit(&e.tenant, e.demand, waited))));
+            let (tx, charges) = e.payload;
+            let permit = self.permit(g, &e.tenant, e.demand, charges, waited);
+            out.push((tx, Ok(permit)));
+        }
+        let now_ms = self.now_ms();
+        for e in p.tightened {
+            let ra = Self::retry_after(g, now_ms, e.class, e.demand).max(2);
+            out.push((
+                e.payload.0,
+                Err(Self::overloaded(
+                    OverloadReason::GuardTightened,
+                    ra,
+                    format!(
+                        "the live guard lowered the caps while this request waited ({}); it fits the profile, retry after {ra} s",
+                        Self::tightened_cause(g)
+                    ),
+                )),
+            ));
         }
         for e in p.never_fit {
             out.push((
-                e.payload,
+                e.payload.0,
                 Err(GovernError::NeverFits {
                     param: "max_tokens",
                     message: "the caps were lowered while this request waited; it no longer fits"
@@ -246,7 +416,52 @@ impl Governor {
         }
     }
 
-    fn release(self: &Arc<Self>, tenant: &str, demand: Demand, service_ms: u64, used: Option<u64>) {
+    /// Why caps are below the profile's now, for messages.
+    fn tightened_cause(g: &Inner) -> String {
+        let mut why = vec![];
+        if g.ladder.level() != Level::Normal {
+            why.push(format!(
+                "ladder {} ({})",
+                g.ladder.level().label(),
+                g.ladder.cause
+            ));
+        }
+        if g.latency.fraction() < 1.0 {
+            why.push(format!(
+                "latency guard at {:.0}% of the envelope ({})",
+                100.0 * g.latency.fraction(),
+                g.latency.cause
+            ));
+        }
+        if why.is_empty() {
+            "caps lowered".into()
+        } else {
+            why.join("; ")
+        }
+    }
+
+    /// 429 for a request that fits the profile but not today's caps.
+    pub fn tightened(self: &Arc<Self>, class: Class, demand: Demand) -> GovernError {
+        let mut g = self.lock();
+        let ra = Self::retry_after(&mut g, self.now_ms(), class, demand).max(2);
+        Self::overloaded(
+            OverloadReason::GuardTightened,
+            ra,
+            format!(
+                "the live guard has lowered the caps for now ({}); this request fits the profile, retry after {ra} s",
+                Self::tightened_cause(&g)
+            ),
+        )
+    }
+
+    fn release(
+        self: &Arc<Self>,
+        tenant: &str,
+        demand: Demand,
+        charges: &[BucketCharge],
+        service_ms: u64,
+        used: Option<u64>,
+    ) {
         self.metrics
             .reserved_tokens_settled
             .inc_by(demand.kv_tokens);
@@ -258,6 +473,12 @@ impl Governor {
             let mut g = self.lock();
             g.ledger.release(tenant, demand);
             g.requests_in_flight = g.requests_in_flight.saturating_sub(1);
+            for c in charges {
+                if let Some(b) = g.buckets.get_mut(c.bucket) {
+                    b.seqs = b.seqs.saturating_sub(c.seqs);
+                    b.capacity = b.capacity.saturating_sub(c.capacity);
+                }
+            }
             g.drain.record(now_ms, demand.kv_tokens, service_ms);
             let w = self.pump(&mut g);
             self.publish(&g);
@@ -280,13 +501,25 @@ impl Governor {
             .saturating_sub(g.ledger.kv_headroom());
         let seq_excess = (g.queue.seqs_ahead_of(class) + demand.seqs)
             .saturating_sub(cap.seqs.saturating_sub(used.seqs));
+        let unit_excess = (g.queue.capacity_ahead_of(class) + demand.capacity)
+            .saturating_sub(cap.capacity.saturating_sub(used.capacity));
         let kv_wait = g.drain.wait_ms(now_ms, kv_excess, cap.kv_tokens);
-        let seq_wait = if seq_excess == 0 {
-            Some(0.0)
-        } else {
-            g.drain
-                .service_ms()
-                .map(|s| s * seq_excess as f64 / cap.seqs.max(1) as f64)
+        // A full node finishes its whole cap per mean service time.
+        let per_service = |excess: u64, cap: u64| {
+            if excess == 0 {
+                Some(0.0)
+            } else {
+                g.drain
+                    .service_ms()
+                    .map(|s| s * excess as f64 / cap.max(1) as f64)
+            }
+        };
+        let seq_wait = match (
+            per_service(seq_excess, cap.seqs),
+            per_service(unit_excess, cap.capacity),
+        ) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
         };
         match (kv_wait, seq_wait) {
             (Some(a), Some(b)) => Some(a.max(b)),
@@ -324,7 +557,7 @@ impl Governor {
         let s = self.settings();
         let now = Instant::now();
         let now_ms = self.now_ms();
-        let (id, rx, wait_until, wakes) = {
+        let (id, rx, wait_until, budget_bound, wakes) = {
             let mut g = self.lock();
             if g.ladder.level() == Level::RejectNew {
                 let ra = Self::retry_after(&mut g, now_ms, Class::Batch, ask.demand).max(2);
@@ -338,7 +571,7 @@ impl Governor {
                 ));
             }
             if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
-                let cap = g.ledger.capacity();
+                let cap = g.ledger.full_capacity();
                 return Err(GovernError::NeverFits {
                     param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
                     message: format!(
@@ -347,11 +580,21 @@ impl Governor {
                     ),
                 });
             }
+            if !g.ledger.fits_now_idle(&ask.tenant, ask.demand) {
+                let ra = Self::retry_after(&mut g, now_ms, ask.class, ask.demand).max(2);
+                return Err(Self::overloaded(
+                    OverloadReason::GuardTightened,
+                    ra,
+                    format!(
+                        "the live guard has lowered the caps for now ({}); this request fits the profile, retry after {ra} s",
+                        Self::tightened_cause(&g)
+                    ),
+                ));
+            }
             if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
-                g.requests_in_flight += 1;
+                let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
                 self.publish(&g);
-                drop(g);
-                return Ok(self.permit(&ask.tenant, ask.demand, Duration::ZERO));
+                return Ok(p);
             }
             let wait_ms = Self::wait_estimate_ms(&mut g, now_ms, ask.class, ask.demand);
             let service_ms = g.drain.service_ms().unwrap_or(0.0);
@@ -368,20 +611,51 @@ impl Governor {
                     ));
                 }
             }
-            let wait_until = ask
+            let mut wait_until = ask
                 .deadline
                 .min(now + Duration::from_millis(s.max_queue_age_ms));
+            // Queue wait counts against the TTFT budget: shed what the
+            // measured drain says cannot start in time, and give up on a
+            // queued request once its budget is spent.
+            let mut budget_bound = false;
+            if let (Some(budget), OverBudget::Shed) = (s.ttft_budget_ms(ask.class), s.over_budget) {
+                // The bucket's TTFT as measured, or as the proxied streams
+                // show it now when that is worse: the profile's latency is
+                // not trusted past what the node does today.
+                let observed = g.latency.recent_ttft_p95_ms(now_ms).unwrap_or(0.0);
+                let ttft = ask.expected_ttft_ms.unwrap_or(0.0).max(observed);
+                if let Some(w) = wait_ms {
+                    if w + ttft > budget {
+                        return Err(Self::overloaded(
+                            OverloadReason::TtftBudget,
+                            retry_after_from_ms(w),
+                            format!(
+                                "estimated queue wait {w:.0} ms + the bucket's TTFT {ttft:.0} ms exceeds the TTFT budget of {budget:.0} ms"
+                            ),
+                        ));
+                    }
+                }
+                let by_budget = now + Duration::from_millis((budget - ttft).max(0.0) as u64);
+                if by_budget < wait_until {
+                    wait_until = by_budget;
+                    budget_bound = true;
+                }
+            }
             let (tx, rx) = oneshot::channel();
-            match g
-                .queue
-                .push(&ask.tenant, ask.class, wait_until, now, ask.demand, tx)
-            {
+            match g.queue.push(
+                &ask.tenant,
+                ask.class,
+                wait_until,
+                now,
+                ask.demand,
+                (tx, ask.charges.clone()),
+            ) {
                 Ok(id) => {
                     // The head may be blocked only by its own tenant's
                     // ceiling; this one may fit now.
                     let w = self.pump(&mut g);
                     self.publish(&g);
-                    (id, rx, wait_until, w)
+                    (id, rx, wait_until, budget_bound, w)
                 }
                 Err((why, _)) => {
                     let ra = Self::retry_after(&mut g, now_ms, ask.class, ask.demand);
@@ -415,16 +689,23 @@ impl Governor {
                 if removed {
                     let mut g = self.lock();
                     let ra = Self::retry_after(&mut g, self.now_ms(), ask.class, ask.demand);
+                    let (reason, why) = if budget_bound {
+                        (OverloadReason::TtftBudget, "its TTFT budget is spent")
+                    } else {
+                        (OverloadReason::QueueTimeout, "without fitting")
+                    };
                     Err(Self::overloaded(
-                        OverloadReason::QueueTimeout,
+                        reason,
                         ra,
                         format!(
-                            "waited {} ms in the admission queue without fitting",
+                            "waited {} ms in the admission queue: {why}",
                             now.elapsed().as_millis()
                         ),
                     ))
                 } else {
-                    rx.try_recv().unwrap_or(Err(GovernError::Draining))
+                    // Granted as the wait ran out: the wake-up is on its
+                    // way (sent right after the lock is released).
+                    rx.await.unwrap_or(Err(GovernError::Draining))
                 }
             }
         };
@@ -477,6 +758,16 @@ impl Governor {
             *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
             let s = self.settings();
             g.queue.set_bounds(s.max_queue_len, s.max_queue_tokens);
+            g.ledger.set_full_capacity(full_capacity(&s.limits));
+            g.ledger.set_min_burst_capacity(burst_floor(&s));
+            // In-flight requests keep their charges: a table of another
+            // length keeps the counts it can and releases saturate.
+            let rows = s.limits.buckets.len() + 1;
+            g.buckets.resize(rows, Demand::default());
+            g.latency = latency_guard(&s);
+            // Rows of the old table must not linger in /metrics.
+            self.metrics.bucket_sequences.clear();
+            self.metrics.bucket_capacity_used.clear();
             self.apply_caps(&mut g);
             let w = self.pump(&mut g);
             self.publish(&g);
@@ -537,6 +828,22 @@ impl Governor {
         let now_ms = self.now_ms();
         let used = g.ledger.used();
         let cap = g.ledger.capacity();
+        // Per bucket: what is in flight, and what share of the node it holds.
+        let buckets: Vec<serde_json::Value> = g
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let row = s.limits.buckets.get(i);
+                json!({
+                    "bucket": row.map(|b| b.label()).unwrap_or_else(|| "beyond".into()),
+                    "safe_concurrency": row.map(|b| b.safe_concurrency),
+                    "ttft_p95_ms": row.and_then(|b| b.ttft_p95_ms),
+                    "sequences": d.seqs,
+                    "envelope_share": d.capacity as f64 / CAPACITY_UNITS as f64,
+                })
+            })
+            .collect();
         let added = {
             let h = self
                 .added_latency_us
@@ -551,8 +858,21 @@ impl Governor {
             "ladder": {"level": g.ladder.level().label(), "cause": g.ladder.cause},
             "limits": effective_limits(&s.limits, g.ladder.level(), s.ladder.small_context_factor),
             "profile_limits": s.limits,
-            "in_flight": {"requests": g.requests_in_flight, "sequences": used.seqs, "kv_tokens": used.kv_tokens},
-            "capacity": {"sequences": cap.seqs, "kv_tokens": cap.kv_tokens},
+            "in_flight": {"requests": g.requests_in_flight, "sequences": used.seqs, "kv_tokens": used.kv_tokens,
+                          "envelope_share": used.capacity as f64 / CAPACITY_UNITS as f64},
+            "capacity": {"sequences": cap.seqs, "kv_tokens": cap.kv_tokens,
+                         "envelope_share": cap.capacity as f64 / CAPACITY_UNITS as f64},
+            "buckets": buckets,
+            "latency_guard": {
+                "active": s.latency.active(),
+                "share": g.latency.fraction(),
+                "floor": g.latency.floor(),
+                "cause": g.latency.cause,
+                "slo": {"ttft_p95_ms": s.latency.ttft_slo_ms, "itl_p95_ms": s.latency.itl_slo_ms,
+                        "e2e_ms": s.latency.e2e_slo_ms},
+                "observed": {"samples": g.latency.last.samples, "ttft_p95_ms": g.latency.last.ttft_p95_ms,
+                             "itl_p95_ms": g.latency.last.itl_p95_ms, "e2e_p95_ms": g.latency.last.e2e_p95_ms},
+            },
             "queue": {"requests": g.queue.len(), "kv_tokens": g.queue.queued_tokens(),
                       "oldest_age_ms": g.queue.oldest_age_ms(Instant::now())},
             "drain_rate_tokens_per_s": g.drain.rate_tokens_per_s(now_ms),

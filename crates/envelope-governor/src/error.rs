@@ -25,6 +25,15 @@ pub enum GovernError {
         needed_tokens: u64,
         limit_tokens: u64,
     },
+    /// Prompt + max_tokens past the largest bucket the profile measured
+    /// (with the `refuse` policy for requests beyond the envelope).
+    #[error("this request needs {needed_tokens} tokens (prompt + max_tokens), past the largest measured bucket {bucket} ({bucket_tokens} tokens): nothing measured says it is safe on this server")]
+    BeyondEnvelope {
+        param: &'static str,
+        needed_tokens: u64,
+        bucket: String,
+        bucket_tokens: u64,
+    },
     /// max_tokens above the output cap with the `reject` policy.
     #[error("max_tokens {asked} exceeds the output limit of {limit} tokens")]
     OutputTooLong { asked: u64, limit: u64 },
@@ -65,6 +74,10 @@ pub enum OverloadReason {
     DeadlineUnmeetable,
     QueueTimeout,
     GuardRejectNew,
+    /// Fits the profile, not the caps a live guard lowered for now.
+    GuardTightened,
+    /// Expected queue wait + the bucket's TTFT breaks the TTFT budget.
+    TtftBudget,
 }
 
 impl OverloadReason {
@@ -74,6 +87,8 @@ impl OverloadReason {
             OverloadReason::DeadlineUnmeetable => "deadline_unmeetable",
             OverloadReason::QueueTimeout => "queue_timeout",
             OverloadReason::GuardRejectNew => "guard_reject_new",
+            OverloadReason::GuardTightened => "guard_tightened",
+            OverloadReason::TtftBudget => "ttft_budget",
         }
     }
 }
@@ -92,6 +107,7 @@ impl GovernError {
         match self {
             GovernError::Invalid { .. } => "invalid_request",
             GovernError::ContextLength { .. } => "context_length_exceeded",
+            GovernError::BeyondEnvelope { .. } => "beyond_envelope",
             GovernError::OutputTooLong { .. } => "max_tokens_over_limit",
             GovernError::NeverFits { .. } => "never_fits",
             GovernError::BodyTooLarge { .. } => "body_too_large",
@@ -109,6 +125,7 @@ impl GovernError {
         match self {
             GovernError::Invalid { .. }
             | GovernError::ContextLength { .. }
+            | GovernError::BeyondEnvelope { .. }
             | GovernError::OutputTooLong { .. }
             | GovernError::NeverFits { .. } => StatusCode::BAD_REQUEST,
             GovernError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -136,6 +153,11 @@ impl GovernError {
         let (kind, param, code): (&str, Option<String>, Option<&str>) = match self {
             GovernError::Invalid { param, .. } => ("invalid_request_error", param.clone(), None),
             GovernError::ContextLength { param, .. } => (
+                "invalid_request_error",
+                Some(param.to_string()),
+                Some("context_length_exceeded"),
+            ),
+            GovernError::BeyondEnvelope { param, .. } => (
                 "invalid_request_error",
                 Some(param.to_string()),
                 Some("context_length_exceeded"),
@@ -219,6 +241,12 @@ mod tests {
             GovernError::UpstreamTimeout("x".into()),
             GovernError::Forbidden("x".into()),
             GovernError::NotFound("x".into()),
+            GovernError::BeyondEnvelope {
+                param: "prompt",
+                needed_tokens: 300,
+                bucket: "256x32".into(),
+                bucket_tokens: 288,
+            },
         ]
     }
 
@@ -227,7 +255,7 @@ mod tests {
         let statuses: Vec<u16> = all().iter().map(|e| e.status().as_u16()).collect();
         assert_eq!(
             statuses,
-            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404]
+            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404, 400]
         );
         for e in all() {
             let b = e.body();

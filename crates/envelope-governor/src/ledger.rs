@@ -10,27 +10,53 @@
 
 use std::collections::HashMap;
 
-/// The two resources every admission reserves.
+/// The whole node in capacity units: a sequence of a bucket whose safe
+/// concurrency is `n` is charged `CAPACITY_UNITS / n` (floored, so `n` of
+/// them fit and `n + 1` do not for any `n` up to 32768).
+pub const CAPACITY_UNITS: u64 = 1 << 30;
+
+/// Capacity units one sequence of a bucket safe at `safe_concurrency` costs.
+pub fn units_per_sequence(safe_concurrency: u64) -> u64 {
+    CAPACITY_UNITS / safe_concurrency.max(1)
+}
+
+/// The resources every admission reserves: sequences, KV tokens, and its
+/// share of the measured envelope (capacity units).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Demand {
     pub seqs: u64,
     pub kv_tokens: u64,
+    pub capacity: u64,
 }
+
+const RESOURCES: usize = 3;
 
 impl Demand {
     fn get(&self, r: usize) -> u64 {
-        if r == 0 {
-            self.seqs
-        } else {
-            self.kv_tokens
+        match r {
+            0 => self.seqs,
+            1 => self.kv_tokens,
+            _ => self.capacity,
         }
     }
     fn get_mut(&mut self, r: usize) -> &mut u64 {
-        if r == 0 {
-            &mut self.seqs
-        } else {
-            &mut self.kv_tokens
+        match r {
+            0 => &mut self.seqs,
+            1 => &mut self.kv_tokens,
+            _ => &mut self.capacity,
         }
+    }
+    /// Component-wise sum.
+    pub fn plus(self, o: Demand) -> Demand {
+        Demand {
+            seqs: self.seqs + o.seqs,
+            kv_tokens: self.kv_tokens + o.kv_tokens,
+            capacity: self.capacity + o.capacity,
+        }
+    }
+    /// Whether every component is at most `o`'s.
+    pub fn within(&self, o: &Demand) -> bool {
+        (0..RESOURCES).all(|r| self.get(r) <= o.get(r))
     }
 }
 
@@ -51,8 +77,12 @@ impl Share {
 /// Why a reservation does not fit now (or ever).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    /// Bigger than the whole capacity or the tenant's burst ceiling.
+    /// Bigger than the profile's whole capacity or the tenant's burst
+    /// ceiling of it: no wait helps (400).
     NeverFits,
+    /// Fits the profile's capacity but not the current, temporarily lowered
+    /// one (live guard): retry later (429).
+    Tightened,
     /// The node is full.
     Global,
     /// The tenant is at its burst ceiling.
@@ -69,10 +99,17 @@ struct TenantUse {
 
 #[derive(Debug, Clone)]
 pub struct Ledger {
+    /// The profile's capacity (with overrides).
+    full: Demand,
+    /// The capacity in force now (the live guards may lower it).
     cap: Demand,
     used: Demand,
     tenants: HashMap<String, TenantUse>,
     default_share: Share,
+    /// The least capacity units a tenant's burst ceiling allows: one
+    /// sequence of the most expensive bucket, so any tenant can run any
+    /// shape the profile admits.
+    min_burst_capacity: u64,
 }
 
 /// Checks a share table: each in [0, 1], burst >= guaranteed, guarantees sum to at most 1.
@@ -112,6 +149,7 @@ impl Ledger {
             })
             .collect();
         Ledger {
+            full: cap,
             cap,
             used: Demand::default(),
             tenants,
@@ -119,13 +157,29 @@ impl Ledger {
                 guaranteed: 0.0,
                 burst: default_burst.clamp(0.0, 1.0),
             },
+            min_burst_capacity: 1,
         }
     }
 
-    /// New caps (hot reload, ladder). Reservations in flight stay; when
-    /// they exceed the new caps nothing more is admitted until they drain.
+    /// The capacity in force now (ladder, latency guard), at most the
+    /// profile's. Reservations in flight stay; when they exceed the new
+    /// caps nothing more is admitted until they drain.
     pub fn set_capacity(&mut self, cap: Demand) {
-        self.cap = cap;
+        self.cap = Demand {
+            seqs: cap.seqs.min(self.full.seqs),
+            kv_tokens: cap.kv_tokens.min(self.full.kv_tokens),
+            capacity: cap.capacity.min(self.full.capacity),
+        };
+    }
+
+    /// A new profile capacity (hot reload); the current one follows it.
+    pub fn set_full_capacity(&mut self, full: Demand) {
+        self.full = full;
+        self.cap = full;
+    }
+
+    pub fn full_capacity(&self) -> Demand {
+        self.full
     }
 
     pub fn capacity(&self) -> Demand {
@@ -151,14 +205,24 @@ impl Ledger {
         ((cap as f64) * frac).floor() as u64
     }
 
-    /// The tenant's burst ceiling; at least one sequence's worth so a
-    /// tenant with a tiny share can still run something.
-    fn burst_limit(&self, tenant: &str, r: usize) -> u64 {
+    /// The tenant's burst ceiling of `cap`; at least one sequence's worth
+    /// so a tenant with a tiny share can still run something.
+    fn burst_limit_of(&self, cap: &Demand, tenant: &str, r: usize) -> u64 {
         let s = self.share(tenant);
         if s.burst <= 0.0 {
             return 0;
         }
-        Self::limit(self.cap.get(r), s.burst).max(1)
+        let least = if r == 2 { self.min_burst_capacity } else { 1 };
+        Self::limit(cap.get(r), s.burst).max(least)
+    }
+
+    /// See `min_burst_capacity`.
+    pub fn set_min_burst_capacity(&mut self, units: u64) {
+        self.min_burst_capacity = units.max(1);
+    }
+
+    fn burst_limit(&self, tenant: &str, r: usize) -> u64 {
+        self.burst_limit_of(&self.cap, tenant, r)
     }
 
     /// Capacity guaranteed to tenants other than `tenant` that they are not using.
@@ -174,9 +238,17 @@ impl Ledger {
             .sum()
     }
 
-    /// Whether `d` could fit on an idle node.
+    /// Whether `d` could fit on an idle node at the profile's capacity.
     pub fn fits_ever(&self, tenant: &str, d: Demand) -> bool {
-        (0..2).all(|r| d.get(r) <= self.cap.get(r) && d.get(r) <= self.burst_limit(tenant, r))
+        (0..RESOURCES).all(|r| {
+            d.get(r) <= self.full.get(r) && d.get(r) <= self.burst_limit_of(&self.full, tenant, r)
+        })
+    }
+
+    /// Whether `d` could fit on an idle node at the current capacity.
+    pub fn fits_now_idle(&self, tenant: &str, d: Demand) -> bool {
+        (0..RESOURCES)
+            .all(|r| d.get(r) <= self.cap.get(r) && d.get(r) <= self.burst_limit(tenant, r))
     }
 
     /// Whether `d` fits now, and why not.
@@ -184,9 +256,12 @@ impl Ledger {
         if !self.fits_ever(tenant, d) {
             return Err(Refusal::NeverFits);
         }
+        if !self.fits_now_idle(tenant, d) {
+            return Err(Refusal::Tightened);
+        }
         let mine = self.tenant_used(tenant);
         let share = self.share(tenant);
-        for r in 0..2 {
+        for r in 0..RESOURCES {
             let after = self.used.get(r) + d.get(r);
             if after > self.cap.get(r) {
                 return Err(Refusal::Global);
@@ -195,8 +270,11 @@ impl Ledger {
             if mine_after > self.burst_limit(tenant, r) {
                 return Err(Refusal::TenantBurst);
             }
+            // Every tenant may hold one sequence of the costliest bucket
+            // whatever others are guaranteed, or such shapes could never run.
             let guaranteed = Self::limit(self.cap.get(r), share.guaranteed);
-            if mine_after > guaranteed
+            let floor = if r == 2 { self.min_burst_capacity } else { 0 };
+            if mine_after > guaranteed.max(floor)
                 && after + self.others_unused_guarantee(tenant, r) > self.cap.get(r)
             {
                 return Err(Refusal::OthersGuarantee);
@@ -208,7 +286,7 @@ impl Ledger {
     pub fn reserve(&mut self, tenant: &str, d: Demand) -> Result<(), Refusal> {
         self.check(tenant, d)?;
         let t = self.tenants.entry(tenant.to_string()).or_default();
-        for r in 0..2 {
+        for r in 0..RESOURCES {
             *t.used.get_mut(r) += d.get(r);
             *self.used.get_mut(r) += d.get(r);
         }
@@ -219,14 +297,14 @@ impl Ledger {
     /// underflow (it is a bug, but not one that should stop the proxy).
     pub fn release(&mut self, tenant: &str, d: Demand) {
         if let Some(t) = self.tenants.get_mut(tenant) {
-            for r in 0..2 {
+            for r in 0..RESOURCES {
                 *t.used.get_mut(r) = t.used.get(r).saturating_sub(d.get(r));
             }
             if t.share.is_none() && t.used == Demand::default() {
                 self.tenants.remove(tenant);
             }
         }
-        for r in 0..2 {
+        for r in 0..RESOURCES {
             *self.used.get_mut(r) = self.used.get(r).saturating_sub(d.get(r));
         }
     }
@@ -242,7 +320,19 @@ mod tests {
     use super::*;
 
     fn d(seqs: u64, kv_tokens: u64) -> Demand {
-        Demand { seqs, kv_tokens }
+        Demand {
+            seqs,
+            kv_tokens,
+            capacity: 0,
+        }
+    }
+
+    fn c(seqs: u64, kv_tokens: u64, capacity: u64) -> Demand {
+        Demand {
+            seqs,
+            kv_tokens,
+            capacity,
+        }
     }
 
     fn open(cap: Demand) -> Ledger {
@@ -369,8 +459,81 @@ mod tests {
         l.set_capacity(d(1, 50));
         assert_eq!(l.kv_headroom(), 0);
         assert_eq!(l.check("x", d(1, 10)), Err(Refusal::Global));
+        // Fits the profile, not the lowered cap: temporary, not never.
+        assert_eq!(l.check("x", d(1, 60)), Err(Refusal::Tightened));
+        assert_eq!(l.check("x", d(1, 101)), Err(Refusal::NeverFits));
         l.release("x", d(2, 80));
         l.reserve("x", d(1, 50)).unwrap();
+        // The current cap never exceeds the profile's.
+        l.set_capacity(d(9, 900));
+        assert_eq!(l.capacity(), d(4, 100));
+    }
+
+    #[test]
+    fn capacity_units_bound_a_mix_of_bucket_shapes() {
+        // Short sequences safe at 12, long ones at 4: 12 short fit, or 4
+        // long, or 6 short + 2 long, never more.
+        let short = c(1, 96, units_per_sequence(12));
+        let long = c(1, 288, units_per_sequence(4));
+        let mut l = open(c(12, 1_000_000, CAPACITY_UNITS));
+        for _ in 0..12 {
+            l.reserve("x", short).unwrap();
+        }
+        assert_eq!(l.check("x", short), Err(Refusal::Global));
+        let mut l = open(c(12, 1_000_000, CAPACITY_UNITS));
+        for _ in 0..4 {
+            l.reserve("x", long).unwrap();
+        }
+        assert_eq!(l.check("x", short), Err(Refusal::Global));
+        let mut l = open(c(12, 1_000_000, CAPACITY_UNITS));
+        for _ in 0..2 {
+            l.reserve("x", long).unwrap();
+        }
+        for _ in 0..6 {
+            l.reserve("x", short).unwrap();
+        }
+        assert_eq!(l.check("x", short), Err(Refusal::Global));
+        // A tenant whose burst share is under one long sequence's cost can
+        // still run one (never-fits only past the profile itself).
+        let mut shares = HashMap::new();
+        shares.insert(
+            "small".to_string(),
+            Share {
+                guaranteed: 0.0,
+                burst: 0.2,
+            },
+        );
+        let mut l = Ledger::new(c(12, 1_000_000, CAPACITY_UNITS), &shares, 1.0);
+        assert_eq!(l.check("small", long), Err(Refusal::NeverFits));
+        l.set_min_burst_capacity(units_per_sequence(4));
+        l.reserve("small", long).unwrap();
+        assert_eq!(l.check("small", short), Err(Refusal::TenantBurst));
+        // Others' unused guarantees do not keep a tenant from its one
+        // costliest sequence either (a: 0.5, b: 0.25 guaranteed, long 1/3).
+        let mut shares = HashMap::new();
+        for (t, g) in [("a", 0.5), ("b", 0.25)] {
+            shares.insert(
+                t.to_string(),
+                Share {
+                    guaranteed: g,
+                    burst: 1.0,
+                },
+            );
+        }
+        let long3 = c(1, 288, units_per_sequence(3));
+        let mut l = Ledger::new(c(12, 1_000_000, CAPACITY_UNITS), &shares, 1.0);
+        assert_eq!(l.check("stranger", long3), Err(Refusal::OthersGuarantee));
+        l.set_min_burst_capacity(units_per_sequence(3));
+        l.reserve("stranger", long3).unwrap();
+        assert_eq!(l.check("stranger", long3), Err(Refusal::OthersGuarantee));
+        // For every n, n sequences of a bucket safe at n fit and n + 1 do not.
+        for n in [1u64, 2, 3, 7, 13, 100, 999, 32768] {
+            let u = units_per_sequence(n);
+            assert!(
+                n * u <= CAPACITY_UNITS && (n + 1) * u > CAPACITY_UNITS,
+                "{n}"
+            );
+        }
     }
 
     #[test]
@@ -434,9 +597,7 @@ mod tests {
                         live.push((t, dd));
                     }
                 }
-                let sum = live.iter().fold(d(0, 0), |a, (_, x)| {
-                    d(a.seqs + x.seqs, a.kv_tokens + x.kv_tokens)
-                });
+                let sum = live.iter().fold(d(0, 0), |a, (_, x)| a.plus(*x));
                 assert_eq!(l.used(), sum);
                 assert!(sum.seqs <= 8 && sum.kv_tokens <= 1000);
                 assert!(l.tenant_used("b").kv_tokens <= 500);

@@ -13,6 +13,7 @@ pub mod admission;
 pub mod error;
 pub mod estimate;
 pub mod ladder;
+pub mod latency;
 pub mod ledger;
 pub mod live;
 pub mod metrics;
@@ -26,12 +27,13 @@ pub mod tokens;
 pub use admission::{Ask, Governor, Permit};
 pub use error::{GovernError, OverloadReason};
 pub use ladder::{LadderConfig, Level, Reading};
+pub use latency::LatencyConfig;
 pub use ledger::{Demand, Share};
 pub use proxy::{app, serve, AppState, ReloadHook};
 pub use queue::Class;
 /// Re-exported for the CLI's start-up checks.
 pub use reqwest;
-pub use settings::{OverLimit, Settings, TenantsFile};
+pub use settings::{Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 pub use tokens::{CountSource, TokenCounter};
 /// Re-exported so the CLI can read its TOML config without its own dependency.
 pub use toml;

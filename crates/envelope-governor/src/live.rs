@@ -36,6 +36,92 @@ pub fn reading(
     }
 }
 
+/// Whether the upstream's metrics endpoint is a signal at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsSignal {
+    /// Nothing polled yet.
+    Unknown,
+    /// Never answered with usable metrics (404, refused, not Prometheus,
+    /// no known engine): the guard runs without it, on what the governor
+    /// observes itself (proxied latency, upstream errors) and NVML.
+    Absent,
+    /// Answered at least once: from then on a failed poll is a stale
+    /// reading, which counts as unhealthy.
+    Present,
+}
+
+/// Tells an endpoint that was never there from one that went quiet, so a
+/// server without Prometheus metrics does not read as a server in trouble.
+/// Plain data: feed it each poll's outcome.
+#[derive(Debug, Clone)]
+pub struct MetricsWatch {
+    pub signal: MetricsSignal,
+    url: String,
+}
+
+impl MetricsWatch {
+    pub fn new(url: &str) -> MetricsWatch {
+        MetricsWatch {
+            signal: MetricsSignal::Unknown,
+            url: url.to_string(),
+        }
+    }
+
+    /// The ladder reading for one poll, and a line to log when what the
+    /// guard can see changed.
+    pub fn reading(
+        &mut self,
+        state: Result<envelope_telemetry::EngineState, envelope_telemetry::MetricsError>,
+        gpu_free_bytes: Option<u64>,
+    ) -> (Reading, Option<String>) {
+        let url = &self.url;
+        match (&state, self.signal) {
+            (Ok(s), before) => {
+                self.signal = MetricsSignal::Present;
+                let mut lacking = vec![];
+                if s.kv_usage.is_none() {
+                    lacking.push("kv_usage");
+                }
+                if s.preemptions_total.is_none() {
+                    lacking.push("preemptions");
+                }
+                let line = (before != MetricsSignal::Present).then(|| {
+                    let has = format!("{:?} metrics at {url}", s.engine);
+                    if lacking.is_empty() {
+                        format!("live guard: {has}: guarding on kv_usage and preemptions, proxied latency and upstream errors")
+                    } else {
+                        format!(
+                            "live guard: {has} lack {}: guarding on what they have, proxied latency and upstream errors",
+                            lacking.join(" and ")
+                        )
+                    }
+                });
+                (reading(state, gpu_free_bytes), line)
+            }
+            (Err(e), MetricsSignal::Unknown | MetricsSignal::Absent) => {
+                let line = (self.signal == MetricsSignal::Unknown).then(|| {
+                    format!(
+                        "live guard: no usable metrics at {url} ({e}): missing signals kv_usage and preemptions; guarding on proxied latency, upstream errors{} only",
+                        if gpu_free_bytes.is_some() { " and GPU free memory" } else { "" }
+                    )
+                });
+                self.signal = MetricsSignal::Absent;
+                // Not a stale reading: there was never anything to go stale.
+                let r = Reading {
+                    now_ms: 0,
+                    ok: true,
+                    kv_usage: None,
+                    preemptions_total: None,
+                    gpu_free_bytes,
+                    upstream_errors: 0,
+                };
+                (r, line)
+            }
+            (Err(_), MetricsSignal::Present) => (reading(state, gpu_free_bytes), None),
+        }
+    }
+}
+
 /// Least free memory over the GPUs NVML sees (None without NVML).
 pub fn gpu_free_bytes(nvml: Option<&Nvml>) -> Option<u64> {
     let n = nvml?;
@@ -57,6 +143,7 @@ pub fn spawn_guard(
             .flatten();
         let nvml = nvml.map(Arc::new);
         let mut last_err: Option<String> = None;
+        let mut watch = MetricsWatch::new(&metrics_url);
         loop {
             let state = envelope_telemetry::fetch_engine_state(
                 &metrics_url,
@@ -64,8 +151,13 @@ pub fn spawn_guard(
             )
             .await;
             match &state {
-                Err(e) if last_err.as_deref() != Some(&e.to_string()) => {
-                    tracing::warn!("live guard: {e} (counts as unhealthy)");
+                Err(e)
+                    if watch.signal == MetricsSignal::Present
+                        && last_err.as_deref() != Some(&e.to_string()) =>
+                {
+                    tracing::warn!(
+                        "live guard: {e} (metrics that worked went stale: counts as unhealthy)"
+                    );
                     last_err = Some(e.to_string());
                 }
                 Ok(_) => last_err = None,
@@ -78,7 +170,14 @@ pub fn spawn_guard(
                     .flatten(),
                 None => None,
             };
-            gov.observe(reading(state, free));
+            let (r, line) = watch.reading(state, free);
+            if let Some(line) = line {
+                match watch.signal {
+                    MetricsSignal::Absent => tracing::warn!("{line}"),
+                    _ => tracing::info!("{line}"),
+                }
+            }
+            gov.observe(r);
             tokio::time::sleep(interval).await;
         }
     })
@@ -156,14 +255,25 @@ pub fn fingerprint_mismatches(
     out
 }
 
-/// Limits halved (at least 1), for a profile that does not match the node.
+/// Limits halved (at least 1), for a profile that does not match the node:
+/// concurrency, KV budget, and each bucket's safe concurrency.
 pub fn conservative(l: &envelope_profile::Limits) -> envelope_profile::Limits {
     let h = |v: u64| (v / 2).max(1);
+    let buckets = l
+        .buckets
+        .iter()
+        .map(|b| envelope_profile::BucketLimit {
+            safe_concurrency: h(b.safe_concurrency),
+            kv_tokens: h(b.safe_concurrency) * b.total_tokens(),
+            ..b.clone()
+        })
+        .collect();
     envelope_profile::Limits {
         max_context_tokens: l.max_context_tokens,
         max_output_tokens: l.max_output_tokens,
         max_concurrent_seqs: h(l.max_concurrent_seqs),
         max_kv_tokens_in_flight: h(l.max_kv_tokens_in_flight),
+        buckets,
     }
 }
 
@@ -202,6 +312,69 @@ mod tests {
         let l = conservative(&profile(json!({})).limits);
         assert_eq!((l.max_concurrent_seqs, l.max_kv_tokens_in_flight), (2, 50));
         assert_eq!(l.max_context_tokens, 100);
+        assert_eq!(l.buckets[0].safe_concurrency, 2);
+    }
+
+    fn envelope_metrics(
+    ) -> Result<envelope_telemetry::EngineState, envelope_telemetry::MetricsError> {
+        envelope_telemetry::parse_engine_state(
+            "# TYPE envelope:kv_cache_usage_perc gauge\nenvelope:kv_cache_usage_perc 0.5\n",
+        )
+    }
+
+    fn missing() -> Result<envelope_telemetry::EngineState, envelope_telemetry::MetricsError> {
+        Err(envelope_telemetry::MetricsError::Http {
+            url: "http://u/metrics".into(),
+            status: 404,
+        })
+    }
+
+    #[test]
+    fn metrics_absent_from_the_start_are_not_unhealthy() {
+        let mut w = MetricsWatch::new("http://u/metrics");
+        let (r, line) = w.reading(missing(), None);
+        assert!(r.ok, "an endpoint that never answered is not a stale one");
+        assert_eq!(w.signal, MetricsSignal::Absent);
+        let line = line.unwrap();
+        assert!(line.contains("404") && line.contains("kv_usage"), "{line}");
+        // Said once, not every poll.
+        let (r, line) = w.reading(missing(), None);
+        assert!(r.ok && line.is_none());
+        // It appears: from then on it is a signal, and going quiet is stale.
+        let (r, line) = w.reading(envelope_metrics(), None);
+        assert!(r.ok && r.kv_usage == Some(0.5));
+        assert!(line.unwrap().contains("preemptions"));
+        let (r, _) = w.reading(missing(), None);
+        assert!(!r.ok);
+        assert_eq!(w.signal, MetricsSignal::Present);
+    }
+
+    #[test]
+    fn absent_metrics_keep_the_ladder_normal() {
+        use crate::ladder::{Ladder, LadderConfig, Level};
+        let mut ladder = Ladder::new(LadderConfig::default(), 0);
+        let mut w = MetricsWatch::new("http://u/metrics");
+        for t in 0..60u64 {
+            let (r, _) = w.reading(missing(), None);
+            ladder.observe(Reading {
+                now_ms: t * 1000,
+                ..r
+            });
+        }
+        assert_eq!(ladder.level(), Level::Normal);
+        // The same failures after metrics worked: stale, then reject.
+        let mut ladder = Ladder::new(LadderConfig::default(), 0);
+        let mut w = MetricsWatch::new("http://u/metrics");
+        let (r, _) = w.reading(envelope_metrics(), None);
+        ladder.observe(Reading { now_ms: 0, ..r });
+        for t in 1..60u64 {
+            let (r, _) = w.reading(missing(), None);
+            ladder.observe(Reading {
+                now_ms: t * 1000,
+                ..r
+            });
+        }
+        assert_eq!(ladder.level(), Level::RejectNew);
     }
 
     #[test]

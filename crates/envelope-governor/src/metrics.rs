@@ -26,6 +26,10 @@ pub struct Metrics {
     pub ladder_state: Gauge,
     pub draining: Gauge,
     pub upstream_kv_usage: Gauge<f64, AtomicU64>,
+    pub capacity_used: Gauge<f64, AtomicU64>,
+    pub capacity_limit: Gauge<f64, AtomicU64>,
+    pub bucket_sequences: Family<Labels, Gauge>,
+    pub bucket_capacity_used: Family<Labels, Gauge<f64, AtomicU64>>,
     pub profile_info: Family<Labels, Gauge>,
     pub rejections: Family<Labels, Counter>,
     pub admitted: Family<Labels, Counter>,
@@ -60,6 +64,10 @@ impl Metrics {
             ladder_state: Gauge::default(),
             draining: Gauge::default(),
             upstream_kv_usage: Gauge::default(),
+            capacity_used: Gauge::default(),
+            capacity_limit: Gauge::default(),
+            bucket_sequences: Family::default(),
+            bucket_capacity_used: Family::default(),
             profile_info: Family::default(),
             rejections: Family::default(),
             admitted: Family::default(),
@@ -135,6 +143,26 @@ impl Metrics {
             "envelope_governor_upstream_kv_usage",
             "Upstream KV use (0..1) at the last reading",
             m.upstream_kv_usage
+        );
+        reg!(
+            "envelope_governor_envelope_used",
+            "Share of the measured envelope held by requests in flight (each sequence 1 / its bucket's safe concurrency)",
+            m.capacity_used
+        );
+        reg!(
+            "envelope_governor_envelope_limit",
+            "Share of the envelope admitted now (1 unless the latency guard lowered it)",
+            m.capacity_limit
+        );
+        reg!(
+            "envelope_governor_bucket_sequences",
+            "Sequences in flight, by the profile bucket they were charged to",
+            m.bucket_sequences
+        );
+        reg!(
+            "envelope_governor_bucket_envelope_used",
+            "Share of the envelope held, by profile bucket",
+            m.bucket_capacity_used
         );
         reg!(
             "envelope_governor_profile",

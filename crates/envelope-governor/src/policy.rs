@@ -1,14 +1,25 @@
 //! From a validated request and its prompt token counts to what the governor
 //! enforces: the `max_tokens` applied (kept, injected or clamped), the
-//! context check, and the demand (sequences, KV tokens) to reserve. Also the
-//! caps in force at each ladder level. Pure functions.
+//! context check, the bucket of the measured envelope each sequence falls
+//! in, and the demand (sequences, KV tokens, capacity units) to reserve.
+//! Also the caps in force at each ladder level. Pure functions.
 
 use crate::error::GovernError;
 use crate::ladder::Level;
-use crate::ledger::Demand;
+use crate::ledger::{units_per_sequence, Demand, CAPACITY_UNITS};
 use crate::request::{Endpoint, OutputDecision};
-use crate::settings::OverLimit;
+use crate::settings::{Beyond, OverLimit};
 use envelope_profile::Limits;
+
+/// What one request costs in one bucket of the envelope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketCharge {
+    /// Index into `limits.buckets`; `limits.buckets.len()` for a sequence
+    /// past the largest bucket admitted alone.
+    pub bucket: usize,
+    pub seqs: u64,
+    pub capacity: u64,
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -16,6 +27,19 @@ pub struct Plan {
     pub decision: OutputDecision,
     pub demand: Demand,
     pub prompt_tokens: u64,
+    /// The longest prompt group, which decides the context check.
+    pub longest_prompt_tokens: u64,
+    pub charges: Vec<BucketCharge>,
+}
+
+impl Plan {
+    /// Whether the request fits caps lowered by the live guards. It fits
+    /// the profile (the plan was made against it), so when it does not it
+    /// must be deferred (429), not refused for good.
+    pub fn fits(&self, current: &Limits) -> bool {
+        self.longest_prompt_tokens + self.max_tokens <= current.max_context_tokens
+            && self.max_tokens <= current.max_output_tokens
+    }
 }
 
 /// The caps at a ladder level: SMALL_CONTEXT multiplies context, output and
@@ -30,6 +54,7 @@ pub fn effective_limits(l: &Limits, level: Level, factor: f64) -> Limits {
         max_output_tokens: f(l.max_output_tokens),
         max_concurrent_seqs: l.max_concurrent_seqs,
         max_kv_tokens_in_flight: f(l.max_kv_tokens_in_flight),
+        buckets: l.buckets.clone(),
     }
 }
 
@@ -38,6 +63,7 @@ pub fn effective_limits(l: &Limits, level: Level, factor: f64) -> Limits {
 pub fn plan(
     limits: &Limits,
     over: OverLimit,
+    beyond: Beyond,
     endpoint: Endpoint,
     prompt_tokens: &[u64],
     asked: Option<u64>,
@@ -71,6 +97,35 @@ pub fn plan(
         Some(a) if a > room => return Err(too_long(a)),
         Some(a) => (a, OutputDecision::Kept),
     };
+    let mut charges: Vec<BucketCharge> = vec![];
+    for &p in prompt_tokens {
+        let total = p + max_tokens;
+        let (bucket, units) = match limits.bucket_for(total) {
+            Some((i, b)) => (i, units_per_sequence(b.safe_concurrency)),
+            None => match (beyond, limits.largest_bucket()) {
+                (Beyond::Alone, _) | (_, None) => (limits.buckets.len(), CAPACITY_UNITS),
+                (Beyond::Refuse, Some(b)) => {
+                    return Err(GovernError::BeyondEnvelope {
+                        param: endpoint.prompt_param(),
+                        needed_tokens: total,
+                        bucket: b.label(),
+                        bucket_tokens: b.total_tokens(),
+                    })
+                }
+            },
+        };
+        match charges.iter_mut().find(|c| c.bucket == bucket) {
+            Some(c) => {
+                c.seqs += n;
+                c.capacity += units.saturating_mul(n);
+            }
+            None => charges.push(BucketCharge {
+                bucket,
+                seqs: n,
+                capacity: units.saturating_mul(n),
+            }),
+        }
+    }
     let kv_tokens = prompt_tokens
         .iter()
         .map(|p| (p + max_tokens).saturating_mul(n))
@@ -81,8 +136,11 @@ pub fn plan(
         demand: Demand {
             seqs: prompt_tokens.len() as u64 * n,
             kv_tokens,
+            capacity: charges.iter().map(|c| c.capacity).sum(),
         },
         prompt_tokens: prompt_tokens.iter().sum(),
+        longest_prompt_tokens: longest,
+        charges,
     })
 }
 
@@ -91,18 +149,38 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits {
+        let mut l = Limits {
             max_context_tokens: 100,
             max_output_tokens: 30,
             max_concurrent_seqs: 4,
             max_kv_tokens_in_flight: 1000,
-        }
+            buckets: vec![],
+        };
+        l.buckets = vec![l.single_row()];
+        l
+    }
+
+    /// 40x10 safe at 12, 70x30 safe at 4 (context cap 100).
+    fn table() -> Limits {
+        let mut l = limits();
+        let mut short = l.single_row();
+        (
+            short.input_tokens,
+            short.output_tokens,
+            short.safe_concurrency,
+        ) = (40, 10, 12);
+        let mut long = l.single_row();
+        (long.input_tokens, long.output_tokens, long.safe_concurrency) = (70, 30, 4);
+        l.buckets = vec![short, long];
+        l.max_concurrent_seqs = 12;
+        l
     }
 
     fn p(prompts: &[u64], asked: Option<u64>, n: u64) -> Result<Plan, GovernError> {
         plan(
             &limits(),
             OverLimit::Clamp,
+            Beyond::Refuse,
             Endpoint::Chat,
             prompts,
             asked,
@@ -118,7 +196,8 @@ mod tests {
             k.demand,
             Demand {
                 seqs: 1,
-                kv_tokens: 30
+                kv_tokens: 30,
+                capacity: units_per_sequence(4),
             }
         );
         let i = p(&[10], None, 1).unwrap();
@@ -137,6 +216,7 @@ mod tests {
         let e = plan(
             &limits(),
             OverLimit::Reject,
+            Beyond::Refuse,
             Endpoint::Completions,
             &[5],
             Some(31),
@@ -148,6 +228,7 @@ mod tests {
         assert!(plan(
             &limits(),
             OverLimit::Reject,
+            Beyond::Refuse,
             Endpoint::Completions,
             &[5],
             Some(30),
@@ -171,6 +252,7 @@ mod tests {
         let e = plan(
             &limits(),
             OverLimit::Clamp,
+            Beyond::Refuse,
             Endpoint::Completions,
             &[100],
             None,
@@ -187,7 +269,8 @@ mod tests {
             d,
             Demand {
                 seqs: 6,
-                kv_tokens: (15 + 25) * 3
+                kv_tokens: (15 + 25) * 3,
+                capacity: 6 * units_per_sequence(4),
             }
         );
         // The longest prompt decides the context check.
@@ -206,5 +289,79 @@ mod tests {
             effective_limits(&limits(), Level::RejectNew, 0.001).max_output_tokens,
             1
         );
+    }
+
+    #[test]
+    fn each_sequence_is_charged_its_bucket_share() {
+        let t = table();
+        let q = |prompts: &[u64], asked, beyond| {
+            plan(
+                &t,
+                OverLimit::Clamp,
+                beyond,
+                Endpoint::Chat,
+                prompts,
+                asked,
+                1,
+            )
+        };
+        // 30 + 10 = 40 <= 50: the short bucket, 1/12 of the node.
+        let s = q(&[30], Some(10), Beyond::Refuse).unwrap();
+        assert_eq!(s.demand.capacity, units_per_sequence(12));
+        assert_eq!(
+            s.charges,
+            [BucketCharge {
+                bucket: 0,
+                seqs: 1,
+                capacity: units_per_sequence(12)
+            }]
+        );
+        // 45 + 10 = 55 > 50: the long bucket, 1/4.
+        let l = q(&[45], Some(10), Beyond::Refuse).unwrap();
+        assert_eq!(l.demand.capacity, units_per_sequence(4));
+        // A batch of both is charged per prompt.
+        let b = q(&[30, 45], Some(10), Beyond::Refuse).unwrap();
+        assert_eq!(
+            b.demand.capacity,
+            units_per_sequence(12) + units_per_sequence(4)
+        );
+        assert_eq!(b.charges.len(), 2);
+        // Past the largest bucket (100): refused naming it, or alone.
+        let mut wide = t.clone();
+        wide.max_context_tokens = 200;
+        wide.max_output_tokens = 100;
+        let e = plan(
+            &wide,
+            OverLimit::Clamp,
+            Beyond::Refuse,
+            Endpoint::Chat,
+            &[90],
+            Some(50),
+            1,
+        )
+        .unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        assert!(e.to_string().contains("70x30"), "{e}");
+        let a = plan(
+            &wide,
+            OverLimit::Clamp,
+            Beyond::Alone,
+            Endpoint::Chat,
+            &[90],
+            Some(50),
+            1,
+        )
+        .unwrap();
+        assert_eq!(a.demand.capacity, CAPACITY_UNITS);
+        assert_eq!(a.charges[0].bucket, 2);
+    }
+
+    #[test]
+    fn a_plan_that_fits_the_profile_may_not_fit_tightened_caps() {
+        let pl = p(&[60], Some(30), 1).unwrap();
+        assert!(pl.fits(&limits()));
+        let small = effective_limits(&limits(), Level::SmallContext, 0.5);
+        assert!(!pl.fits(&small));
+        assert!(p(&[10], Some(10), 1).unwrap().fits(&small));
     }
 }

@@ -12,7 +12,7 @@ use crate::error::GovernError;
 use crate::metrics::label;
 use crate::policy;
 use crate::queue::Class;
-use crate::request::{self, Endpoint};
+use crate::request::{self, Endpoint, OutputDecision};
 use crate::tokens::TokenCounter;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
@@ -341,15 +341,38 @@ async fn handle(
         .token_counts
         .get_or_create(&label("source", source.label()))
         .inc();
-    let limits = s.gov.limits();
-    let plan = policy::plan(
-        &limits,
-        settings.over_limit,
-        endpoint,
-        &counts,
-        parsed.max_tokens,
-        parsed.n,
-    )?;
+    // Against the profile: what can never fit is a 400. Against today's
+    // caps (a live guard may have lowered them): what fits the profile but
+    // not them is deferred with a 429, never refused for good.
+    let plan_for = |limits: &envelope_profile::Limits| {
+        policy::plan(
+            limits,
+            settings.over_limit,
+            settings.beyond,
+            endpoint,
+            &counts,
+            parsed.max_tokens,
+            parsed.n,
+        )
+    };
+    let mut plan = plan_for(&settings.limits)?;
+    let current = s.gov.limits();
+    if !plan.fits(&current) {
+        // A max_tokens the client asked for (within the profile) is never
+        // shortened: it waits for the caps to recover. One we chose
+        // (injected or clamped) follows today's caps.
+        plan = match plan.decision {
+            OutputDecision::Kept => None,
+            _ => plan_for(&current).ok().filter(|p| p.fits(&current)),
+        }
+        .ok_or_else(|| s.gov.tightened(class, plan.demand))?;
+    }
+    let expected_ttft_ms = plan
+        .charges
+        .iter()
+        .filter_map(|c| settings.limits.buckets.get(c.bucket))
+        .filter_map(|b| b.ttft_p95_ms)
+        .reduce(f64::max);
     s.gov
         .metrics
         .output_decisions
@@ -362,6 +385,8 @@ async fn handle(
             class,
             deadline: arrived + Duration::from_millis(deadline_ms),
             demand: plan.demand,
+            charges: plan.charges.clone(),
+            expected_ttft_ms,
         })
         .await?;
     s.gov
@@ -416,7 +441,16 @@ struct Flow {
     gov: Arc<Governor>,
     sse: bool,
     sent_at: Option<Instant>,
+    first_chunk: Option<Instant>,
     last_chunk: Option<Instant>,
+    /// A 2xx answer: its timings feed the latency guard.
+    ok: bool,
+    /// When the last chunk went to the client, and whether the client ever
+    /// took long to ask for the next: chunks are timed as the client reads
+    /// them, so a slow reader's timings say nothing of the upstream and
+    /// must not move the latency guard for everyone.
+    yielded_at: Option<Instant>,
+    slow_reader: bool,
     idle: Duration,
     /// The last bytes seen, for the `usage` object at the end.
     tail: Vec<u8>,
@@ -426,6 +460,10 @@ struct Flow {
 
 const TAIL_BYTES: usize = 4096;
 
+/// A client that takes longer than this to ask for the next chunk is
+/// reading slowly (a fast one asks within microseconds).
+const SLOW_READER_GAP: Duration = Duration::from_millis(50);
+
 fn find_number(hay: &str, key: &str) -> Option<u64> {
     let i = hay.rfind(key)?;
     let rest = hay[i + key.len()..].trim_start_matches([' ', ':', '"']);
@@ -434,7 +472,37 @@ fn find_number(hay: &str, key: &str) -> Option<u64> {
 }
 
 impl Flow {
+    /// The request's timings for the latency guard: TTFT and mean gap
+    /// between events of a stream (events, not chunks, so coalesced chunks
+    /// do not hide gaps), or the whole time of a non-streaming answer.
+    fn timings(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let Some(sent) = self.sent_at.filter(|_| !self.slow_reader) else {
+            return (None, None, None);
+        };
+        if !self.sse {
+            return (None, None, self.last_chunk.map(|t| ms(t - sent)));
+        }
+        let ttft = self.first_chunk.map(|t| ms(t - sent));
+        // Events after the first, less the closing `[DONE]`.
+        let gaps = self.events.saturating_sub(2);
+        // Several sequences (n > 1, batched prompts) interleave their
+        // events, so the gaps between them are not any one's ITL.
+        let one_sequence = self.permit.as_ref().is_some_and(|p| p.demand().seqs == 1);
+        let itl = match (self.first_chunk, self.last_chunk) {
+            (Some(a), Some(b)) if gaps > 0 && one_sequence => Some(ms(b - a) / gaps as f64),
+            _ => None,
+        };
+        (ttft, itl, None)
+    }
+
     fn settle(&mut self) {
+        if self.ok {
+            if let Some(p) = &self.permit {
+                let (ttft, itl, e2e) = self.timings();
+                p.record_latency(ttft, itl, e2e);
+            }
+        }
         if let Some(mut p) = self.permit.take() {
             let tail = String::from_utf8_lossy(&self.tail);
             let used = match (
@@ -461,7 +529,10 @@ impl Flow {
                     .metrics
                     .inter_chunk
                     .observe((now - t).as_secs_f64()),
-                (None, Some(t)) => self.gov.metrics.ttft.observe((now - t).as_secs_f64()),
+                (None, Some(t)) => {
+                    self.first_chunk = Some(now);
+                    self.gov.metrics.ttft.observe((now - t).as_secs_f64())
+                }
                 _ => {}
             }
             self.events += b.windows(5).filter(|w| w == b"data:").count() as u64;
@@ -504,7 +575,11 @@ fn stream_back(
         gov: s.gov.clone(),
         sse,
         sent_at,
+        first_chunk: None,
         last_chunk: None,
+        ok: status.is_success(),
+        yielded_at: None,
+        slow_reader: false,
         idle: Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms),
         tail: Vec::new(),
         events: 0,
@@ -514,9 +589,13 @@ fn stream_back(
         if f.done {
             return None;
         }
+        if f.yielded_at.is_some_and(|t| t.elapsed() > SLOW_READER_GAP) {
+            f.slow_reader = true;
+        }
         let failure = match tokio::time::timeout(f.idle, f.inner.next()).await {
             Ok(Some(Ok(b))) => {
                 f.observe_chunk(&b);
+                f.yielded_at = Some(Instant::now());
                 return Some((Ok::<Bytes, std::io::Error>(b), f));
             }
             Ok(None) => {

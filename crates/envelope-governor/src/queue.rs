@@ -58,8 +58,12 @@ pub enum QueueFull {
 #[derive(Debug)]
 pub struct Pumped<T> {
     pub granted: Vec<Entry<T>>,
-    /// Entries that cannot fit even on an idle node any more (caps lowered while they waited).
+    /// Entries that cannot fit even on an idle node any more (the profile
+    /// was reloaded with smaller caps while they waited).
     pub never_fit: Vec<Entry<T>>,
+    /// Entries that fit the profile but not the caps the live guards
+    /// lowered while they waited (they are told to retry later).
+    pub tightened: Vec<Entry<T>>,
 }
 
 #[derive(Debug)]
@@ -110,6 +114,15 @@ impl<T> AdmissionQueue<T> {
             .iter()
             .filter(|e| e.class <= class)
             .map(|e| e.demand.kv_tokens)
+            .sum()
+    }
+
+    /// Capacity units queued that would be served before a new request of `class`.
+    pub fn capacity_ahead_of(&self, class: Class) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| e.class <= class)
+            .map(|e| e.demand.capacity)
             .sum()
     }
 
@@ -229,6 +242,7 @@ impl<T> AdmissionQueue<T> {
         let mut out = Pumped {
             granted: vec![],
             never_fit: vec![],
+            tightened: vec![],
         };
         'outer: loop {
             let mut blocked_tenants: Vec<String> = vec![];
@@ -250,6 +264,10 @@ impl<T> AdmissionQueue<T> {
                     }
                     Err(Refusal::NeverFits) => {
                         out.never_fit.push(self.remove(id).expect("present"));
+                        continue 'outer;
+                    }
+                    Err(Refusal::Tightened) => {
+                        out.tightened.push(self.remove(id).expect("present"));
                         continue 'outer;
                     }
                     Err(Refusal::TenantBurst) | Err(Refusal::OthersGuarantee) => {
@@ -274,6 +292,7 @@ mod tests {
         Demand {
             seqs: 1,
             kv_tokens: kv,
+            capacity: 0,
         }
     }
 
@@ -429,6 +448,7 @@ mod tests {
             Demand {
                 seqs: 10,
                 kv_tokens: 100,
+                capacity: 0,
             },
             &HashMap::new(),
             0.5,
@@ -439,6 +459,7 @@ mod tests {
                 Demand {
                     seqs: 1,
                     kv_tokens: 40,
+                    capacity: 0,
                 },
             )
             .unwrap();
@@ -455,6 +476,7 @@ mod tests {
             Demand {
                 seqs: 10,
                 kv_tokens: 100,
+                capacity: 0,
             },
             &HashMap::new(),
             1.0,

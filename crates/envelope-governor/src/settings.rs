@@ -39,6 +39,49 @@ impl std::str::FromStr for OverLimit {
     }
 }
 
+/// A request past the largest measured bucket of the profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Beyond {
+    /// Refuse with 400, naming the largest bucket (nothing measured says it is safe).
+    Refuse,
+    /// Admit it alone: it is charged the whole node.
+    Alone,
+}
+
+impl std::str::FromStr for Beyond {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "refuse" => Ok(Beyond::Refuse),
+            "alone" => Ok(Beyond::Alone),
+            _ => Err(format!("`{s}`: expected refuse or alone")),
+        }
+    }
+}
+
+/// A request whose expected queue wait plus its bucket's TTFT would break
+/// its TTFT budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverBudget {
+    /// 429 with Retry-After now, and out of the queue once the budget is spent.
+    Shed,
+    /// Queue it anyway (until its deadline).
+    Queue,
+}
+
+impl std::str::FromStr for OverBudget {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "shed" => Ok(OverBudget::Shed),
+            "queue" => Ok(OverBudget::Queue),
+            _ => Err(format!("`{s}`: expected shed or queue")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct TenantSpec {
@@ -162,11 +205,23 @@ pub struct Settings {
     pub admin_token: Option<String>,
     pub profile_id: String,
     pub drain_window_ms: u64,
+    /// Requests past the largest measured bucket.
+    pub beyond: Beyond,
+    /// TTFT budget (queue wait + the bucket's TTFT) per class, ms; None: no budget.
+    pub interactive_ttft_budget_ms: Option<f64>,
+    pub batch_ttft_budget_ms: Option<f64>,
+    pub over_budget: OverBudget,
+    /// The latency guard (proxied TTFT/ITL/e2e against the profile's SLOs).
+    pub latency: crate::latency::LatencyConfig,
 }
 
 impl Settings {
-    /// Defaults around a profile's limits.
-    pub fn new(limits: Limits, profile_id: impl Into<String>) -> Settings {
+    /// Defaults around a profile's limits (a table-less `limits` stands
+    /// for one bucket of its scalar caps).
+    pub fn new(mut limits: Limits, profile_id: impl Into<String>) -> Settings {
+        if limits.buckets.is_empty() {
+            limits.buckets = vec![limits.single_row()];
+        }
         Settings {
             max_queue_len: 256,
             max_queue_tokens: limits.max_kv_tokens_in_flight.saturating_mul(4),
@@ -184,6 +239,28 @@ impl Settings {
             admin_token: None,
             profile_id: profile_id.into(),
             drain_window_ms: 10_000,
+            beyond: Beyond::Refuse,
+            interactive_ttft_budget_ms: None,
+            batch_ttft_budget_ms: None,
+            over_budget: OverBudget::Shed,
+            latency: crate::latency::LatencyConfig::default(),
+        }
+    }
+
+    /// Defaults around a whole profile: its limits, its TTFT SLO as the
+    /// interactive TTFT budget, and its SLOs for the latency guard.
+    pub fn from_profile(p: &envelope_profile::Profile, limits: Limits) -> Settings {
+        let id = format!("{}@{}", p.selected, p.created_unix_ms);
+        let mut s = Settings::new(limits, id);
+        s.interactive_ttft_budget_ms = p.slo.ttft_p95_ms;
+        s.latency = crate::latency::LatencyConfig::from_slo(&p.slo);
+        s
+    }
+
+    pub fn ttft_budget_ms(&self, class: crate::queue::Class) -> Option<f64> {
+        match class {
+            crate::queue::Class::Interactive => self.interactive_ttft_budget_ms,
+            crate::queue::Class::Batch => self.batch_ttft_budget_ms,
         }
     }
 
@@ -215,6 +292,21 @@ impl Settings {
         if !(f > 0.0 && f <= 1.0) {
             return Err(format!("`small_context_factor` must be in (0, 1], got {f}"));
         }
+        if self.limits.buckets.is_empty() {
+            return Err("the profile's `limits.buckets` table is empty".into());
+        }
+        for (name, v) in [
+            (
+                "interactive_ttft_budget_ms",
+                self.interactive_ttft_budget_ms,
+            ),
+            ("batch_ttft_budget_ms", self.batch_ttft_budget_ms),
+        ] {
+            if v.is_some_and(|v| v.is_nan() || v <= 0.0) {
+                return Err(format!("`{name}` must be positive"));
+            }
+        }
+        self.latency.validate()?;
         validate_shares(&self.tenants.shares()?)
     }
 
@@ -231,12 +323,15 @@ mod tests {
     use super::*;
 
     pub fn limits() -> Limits {
-        Limits {
+        let mut l = Limits {
             max_context_tokens: 2048,
             max_output_tokens: 256,
             max_concurrent_seqs: 8,
             max_kv_tokens_in_flight: 8192,
-        }
+            buckets: vec![],
+        };
+        l.buckets = vec![l.single_row()];
+        l
     }
 
     #[test]
@@ -287,7 +382,19 @@ mod tests {
         let mut s = Settings::new(limits(), "p");
         s.ladder.small_kv_usage = 0.99;
         assert!(s.validate().unwrap_err().contains("small_kv"));
+        let mut s = Settings::new(limits(), "p");
+        s.limits.buckets.clear();
+        assert!(s.validate().unwrap_err().contains("buckets"));
+        let mut s = Settings::new(limits(), "p");
+        s.interactive_ttft_budget_ms = Some(0.0);
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .contains("interactive_ttft_budget_ms"));
         assert_eq!("reject".parse::<OverLimit>(), Ok(OverLimit::Reject));
+        assert_eq!("alone".parse::<Beyond>(), Ok(Beyond::Alone));
+        assert_eq!("shed".parse::<OverBudget>(), Ok(OverBudget::Shed));
+        assert!("drop".parse::<OverBudget>().is_err());
         assert!("maybe".parse::<OverLimit>().is_err());
     }
 }

@@ -29,6 +29,35 @@ async fn live_guard_ladder_from_upstream_metrics() {
         .await;
     let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
     assert_eq!(r.headers()["x-envelope-max-tokens"], "50");
+    // A request that fits the profile but not the tightened caps is
+    // deferred (429 with Retry-After), not refused for good (400).
+    let r = g
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 80}))
+        .await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-envelope-reason"], "guard_tightened");
+    assert!(r.headers().get("x-should-retry").is_none());
+    let ra: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&ra));
+    // max_tokens over the cap is clamped (the client left it to us): to
+    // today's cap.
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 999}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "50");
+    // What can never fit the profile is still a 400.
+    let r = g
+        .post("/v1/completions", json!({"prompt": "x".repeat(1000)}))
+        .await;
+    assert_eq!(r.status(), 400);
     // Near full: new requests refused with 429 and Retry-After.
     g.fake.kv_usage_milli.store(990, Ordering::SeqCst);
     let st = g.wait_state(|s| s["ladder"]["level"] == "reject_new").await;
@@ -51,8 +80,9 @@ async fn live_guard_ladder_from_upstream_metrics() {
     assert_eq!(r.status(), 200);
 }
 
+/// Metrics that worked and then went away are stale: unhealthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn unreachable_metrics_count_as_unhealthy() {
+async fn metrics_that_go_stale_count_as_unhealthy() {
     let g = start(limits(1000, 100, 4, 4000), |s| {
         s.ladder.stale_ms = 100;
         s.ladder.reject_stale_ms = 400;
@@ -60,14 +90,49 @@ async fn unreachable_metrics_count_as_unhealthy() {
     .await;
     let _task = live::spawn_guard(
         g.gov.clone(),
-        "http://127.0.0.1:9/metrics".into(),
+        format!("{}/metrics", g.upstream),
         Duration::from_millis(50),
     );
+    g.fake.kv_usage_milli.store(500, Ordering::SeqCst);
+    g.wait_state(|s| s["ladder"]["level"] == "normal").await;
+    // One good reading is enough to know the endpoint exists.
+    while sample(&g.metrics().await, "envelope_governor_upstream_kv_usage") != Some(0.5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    g.fake.no_metrics.store(true, Ordering::SeqCst);
     let st = g.wait_state(|s| s["ladder"]["level"] == "reject_new").await;
-    assert_eq!(st["ladder"]["level"], "reject_new", "{st}");
+    assert_eq!(st["ladder"]["cause"], "stale_readings", "{st}");
     assert_eq!(g.gov.level(), Level::RejectNew);
     let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
     assert_eq!(r.status(), 429);
+}
+
+/// A server without Prometheus metrics (404 from the start, or nothing
+/// listening) does not tighten admission: the guard runs without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn metrics_absent_from_the_start_do_not_tighten() {
+    for unreachable in [false, true] {
+        let g = start(limits(1000, 100, 4, 4000), |s| {
+            s.ladder.stale_ms = 100;
+            s.ladder.reject_stale_ms = 400;
+        })
+        .await;
+        g.fake.no_metrics.store(true, Ordering::SeqCst);
+        let url = if unreachable {
+            "http://127.0.0.1:9/metrics".to_string()
+        } else {
+            format!("{}/metrics", g.upstream)
+        };
+        let _task = live::spawn_guard(g.gov.clone(), url, Duration::from_millis(50));
+        // Well past both staleness limits, every request is served.
+        for _ in 0..8 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.headers()["x-envelope-max-tokens"], "100");
+        }
+        assert_eq!(g.gov.level(), Level::Normal);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
@@ -85,7 +150,9 @@ async fn a_tenant_at_its_ceiling_does_not_block_another() {
     .unwrap();
     // 4 sequences; hog may use 2.
     let g = start(limits(1000, 10, 4, 4000), move |s| s.tenants = tenants).await;
-    g.fake.delay_per_token_ms.store(30, Ordering::SeqCst);
+    // hog's first two run 10 x 100 ms: time for its other two to queue and
+    // for calm to come in while they wait.
+    g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
     let mut hogs = vec![];
     for _ in 0..4 {
         let c = g.client.clone();

@@ -26,6 +26,8 @@ pub struct Fake {
     /// Stall (no more bytes, connection open) after this many chunks; 0 = never.
     pub stall_after_chunks: AtomicU64,
     pub kv_usage_milli: AtomicU64,
+    /// /metrics answers 404 (as a server without Prometheus metrics does).
+    pub no_metrics: AtomicBool,
     pub requests: AtomicU64,
     pub seqs_in_flight: AtomicI64,
     pub max_seqs_in_flight: AtomicI64,
@@ -145,12 +147,16 @@ async fn tokenize(Json(v): Json<Value>) -> Json<Value> {
     Json(json!({"count": prompt_tokens(&v) + if v.get("messages").is_some() { 5 } else { 0 }}))
 }
 
-async fn metrics(State(fake): State<Arc<Fake>>) -> String {
+async fn metrics(State(fake): State<Arc<Fake>>) -> Response {
+    if fake.no_metrics.load(Ordering::SeqCst) {
+        return (axum::http::StatusCode::NOT_FOUND, "404 page not found").into_response();
+    }
     let kv = fake.kv_usage_milli.load(Ordering::SeqCst) as f64 / 1000.0;
     format!(
         "# TYPE envelope:kv_cache_usage_perc gauge\nenvelope:kv_cache_usage_perc {kv}\n# TYPE envelope:num_preemptions_total counter\nenvelope:num_preemptions_total 0\n# TYPE envelope:num_requests_running gauge\nenvelope:num_requests_running {}\n",
         fake.seqs_in_flight.load(Ordering::SeqCst)
     )
+    .into_response()
 }
 
 /// Starts the fake; returns it and its base URL.
@@ -178,6 +184,7 @@ pub fn limits(ctx: u64, out: u64, seqs: u64, kv: u64) -> Limits {
         max_output_tokens: out,
         max_concurrent_seqs: seqs,
         max_kv_tokens_in_flight: kv,
+        buckets: vec![],
     }
 }
 
