@@ -1,21 +1,34 @@
-"""Sustained overload with the real model (issue #5): goodput through the
-governor against the profile's own throughput at its safe point.
+"""Sustained overload with the real model (issues #5 and #14): goodput through
+the governor against the profile's own throughput at its safe points, per
+request shape.
 
-1. `envelope sweep` measures a profile of SmolLM2-135M (engine target, one
-   64x32 bucket, a KV pool small enough that the KV cache binds).
-2. `envelope serve` runs the same model and pool; `envelope govern` enforces
-   the profile in front of it.
-3. 4x the safe concurrency of clients (the official `openai` client, which
-   honours Retry-After) stream completions for a fixed time, first straight
-   at the server, then through the governor.
+1. A profile: `--profile P` (for instance the quickstart's), or else
+   `envelope sweep` measures one of SmolLM2-135M here (engine target, a
+   short 64x32 and a long 256x32 bucket, a KV pool small enough that the KV
+   cache binds).
+2. `envelope serve` runs the model with the profile's selected
+   configuration (precision, KV dtype and pool, batch policy, sequences);
+   `envelope govern` enforces the profile in front of it.
+3. For each scenario, clients worth 4x the envelope stream completions for a
+   fixed time, first straight at the server, then through the governor:
+   `short` is 4 x the short bucket's safe concurrency of short requests;
+   `mixed` is 2 x each bucket's safe concurrency of its own requests, half
+   the envelope's worth each. A refused request (429) waits its Retry-After
+   (within the run) and tries again; times are those of the attempt that
+   ran.
 
-Prints a table: requests done, 429s seen, preemptions, TTFT/e2e p50/p99 and
-goodput (output tokens/s of requests that met the profile's TTFT and e2e
-SLOs) against the profile's output tokens/s at the safe concurrency.
+Prints one table: requests done, 429s, preemptions, TTFT and e2e p50/p95,
+the share of admitted requests within the TTFT SLO, goodput (output tok/s
+of whole answers that met the TTFT and e2e SLOs) and goodput against the
+profile's throughput at its safe points (for `mixed`, half of each
+bucket's). `--check` exits 1 unless every governed run has zero
+preemptions, goodput >= 0.9 of the profile's and >= 95% of admitted
+requests within the TTFT SLO.
 
-    scripts/govern-goodput.sh [SECONDS]        (default 30)
+    scripts/govern-goodput.sh [--seconds S] [--profile P] [--scenarios short,mixed] [--check]
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,9 +42,6 @@ import openai
 
 BIN = os.environ.get("ENVELOPE_BIN", "target/release/envelope")
 MODEL = os.environ.get("ENVELOPE_TEST_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
-KV = os.environ.get("ENVELOPE_GOODPUT_KV", "16MiB")
-SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0
-IN_TOKENS, OUT_TOKENS = 64, 32
 
 
 def start(args, prefix, log):
@@ -61,39 +71,43 @@ def pct(values, q):
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
-def drive(base, clients, seconds, slo):
-    """`clients` threads streaming completions back to back for `seconds`."""
+def drive(base, shapes, seconds, slo):
+    """One client thread per (input, output) in `shapes`, back to back for `seconds`."""
     records, lock = [], threading.Lock()
     refused = [0]
     stop_at = time.monotonic() + seconds
 
-    def client_loop(worker):
-        # max_retries: the client sleeps Retry-After between attempts.
-        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=50, timeout=120)
+    def client_loop(worker, shape):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+        n_in, n_out = shape
         n = 0
         while time.monotonic() < stop_at:
-            prompt = [300 + (worker * 7919 + n * 104729 + i * 31) % 20000 for i in range(IN_TOKENS)]
+            prompt = [300 + (worker * 7919 + n * 104729 + i * 31) % 20000 for i in range(n_in)]
             n += 1
             t0 = time.monotonic()
             ttft, tokens, err = None, 0, None
             try:
-                raw = c.completions.with_raw_response.create(
-                    model="smollm2", prompt=prompt, max_tokens=OUT_TOKENS, temperature=0,
+                stream = c.completions.create(
+                    model="smollm2", prompt=prompt, max_tokens=n_out, temperature=0,
                     stream=True, extra_body={"ignore_eos": True})
-                with lock:
-                    refused[0] += int(raw.retries_taken)
-                for chunk in raw.parse():
+                for chunk in stream:
                     if chunk.choices and chunk.choices[0].text:
                         tokens += 1
                         if ttft is None:
                             ttft = time.monotonic() - t0
+            except openai.RateLimitError as e:
+                with lock:
+                    refused[0] += 1
+                ra = float(e.response.headers.get("retry-after", "1"))
+                time.sleep(max(0.0, min(ra, stop_at - time.monotonic())))
+                continue
             except Exception as e:  # noqa: BLE001 - recorded, not fatal
                 err = repr(e)
             e2e = time.monotonic() - t0
             with lock:
-                records.append((ttft, e2e, tokens, err, time.monotonic()))
+                records.append((ttft, e2e, tokens, err, n_out))
 
-    threads = [threading.Thread(target=client_loop, args=(w,)) for w in range(clients)]
+    threads = [threading.Thread(target=client_loop, args=(w, s)) for w, s in enumerate(shapes)]
     t_start = time.monotonic()
     for t in threads:
         t.start()
@@ -101,42 +115,59 @@ def drive(base, clients, seconds, slo):
         t.join()
     wall = time.monotonic() - t_start
     ok = [r for r in records if r[3] is None]
-    good = [r for r in ok
-            if (slo.get("ttft_p95_ms") is None or (r[0] or 1e9) * 1e3 <= slo["ttft_p95_ms"])
+    in_ttft = [r for r in ok if slo.get("ttft_p95_ms") is None or (r[0] or 1e9) * 1e3 <= slo["ttft_p95_ms"]]
+    good = [r for r in in_ttft if r[2] == r[4]
             and (slo.get("e2e_p99_ms") is None or r[1] * 1e3 <= slo["e2e_p99_ms"])]
     return {
         "done": len(ok),
+        "429s": refused[0],
         "errors": len(records) - len(ok),
-        "retries_429": refused[0],
         "ttft_p50_ms": pct([r[0] * 1e3 for r in ok if r[0]], 0.50),
-        "ttft_p99_ms": pct([r[0] * 1e3 for r in ok if r[0]], 0.99),
+        "ttft_p95_ms": pct([r[0] * 1e3 for r in ok if r[0]], 0.95),
         "e2e_p50_ms": pct([r[1] * 1e3 for r in ok], 0.50),
-        "e2e_p99_ms": pct([r[1] * 1e3 for r in ok], 0.99),
+        "e2e_p95_ms": pct([r[1] * 1e3 for r in ok], 0.95),
+        "in_ttft_slo": len(in_ttft) / max(1, len(ok)),
         "goodput_tok_s": sum(r[2] for r in good) / wall,
-        "good_fraction": len(good) / max(1, len(ok)),
-        "wall_s": wall,
     }
 
 
-def main():
-    work = tempfile.mkdtemp(prefix="envelope-goodput-")
-    log = open(os.path.join(work, "servers.log"), "w")
+def at_safe_tok_s(config, row):
+    """Output tok/s of the bucket at its safe concurrency: the probe there,
+    else interpolated between the probes around it."""
+    bucket = next(b for b in config["buckets"]
+                  if b["input_tokens"] == row["input_tokens"] and b["output_tokens"] == row["output_tokens"])
+    safe = row["safe_concurrency"]
+    probes = sorted((p for p in bucket["probes"] if p["valid"]), key=lambda p: p["concurrency"])
+    below = [p for p in probes if p["concurrency"] <= safe]
+    above = [p for p in probes if p["concurrency"] > safe]
+    if below and below[-1]["concurrency"] == safe:
+        return below[-1]["output_tok_per_s"], f"probe at {safe}"
+    if below and above:
+        a, b = below[-1], above[0]
+        f = (safe - a["concurrency"]) / (b["concurrency"] - a["concurrency"])
+        v = a["output_tok_per_s"] + f * (b["output_tok_per_s"] - a["output_tok_per_s"])
+        return v, f"interpolated between {a['concurrency']} and {b['concurrency']}"
+    p = below[-1] if below else above[0]
+    return p["output_tok_per_s"] * safe / p["concurrency"], f"probe at {p['concurrency']} scaled"
+
+
+def sweep_profile(work, kv):
     cfg = os.path.join(work, "bench.toml")
     with open(cfg, "w") as f:
         f.write(f"""
 [target]
 kind = "engine"
 model = "{MODEL}"
-kv_cache_bytes = "{KV}"
+kv_cache_bytes = "{kv}"
 [matrix]
 precisions = ["as-stored"]
 batch_policies = ["continuous"]
 max_num_seqs = 16
 max_num_batched_tokens = 256
-buckets = ["{IN_TOKENS}x{OUT_TOKENS}"]
+buckets = ["64x32", "256x32"]
 concurrency_max = 16
 [load]
-rounds = 3
+rounds = 2
 min_requests = 6
 [slo]
 ttft_p95_ms = 4000
@@ -147,57 +178,107 @@ headroom = 0.1
     out = os.path.join(work, "sweep")
     subprocess.run([BIN, "sweep", "--config", cfg, "--out", out], check=True,
                    stdout=subprocess.DEVNULL, env={**os.environ, "ENVELOPE_LOG": "warn"})
-    profile = json.load(open(os.path.join(out, "profile.json")))
-    bucket = profile["configs"][0]["buckets"][0]
-    safe = bucket["safe_concurrency"]
-    at_safe = [p for p in bucket["probes"] if p["concurrency"] == safe and not p["breaches"]]
-    if at_safe:
-        profile_tok_s, basis = at_safe[0]["output_tok_per_s"], f"probe at concurrency {safe}"
-    else:
-        f = bucket["at_feasible"]
-        profile_tok_s = f["output_tok_per_s"] * safe / f["concurrency"]
-        basis = f"feasible probe ({f['concurrency']}) scaled by {safe}/{f['concurrency']}"
+    return os.path.join(out, "profile.json")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=30.0, help="per run (default 30)")
+    ap.add_argument("--profile", help="a profile to use (default: sweep one here)")
+    ap.add_argument("--scenarios", default="short,mixed")
+    ap.add_argument("--kv", default="32MiB", help="KV pool of the sweep made here")
+    ap.add_argument("--max-num-batched-tokens", default="256")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless the governed runs meet the bar")
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="envelope-goodput-")
+    log = open(os.path.join(work, "servers.log"), "w")
+    t_sweep = time.monotonic()
+    path = args.profile or sweep_profile(work, args.kv)
+    t_sweep = time.monotonic() - t_sweep
+    profile = json.load(open(path))
+    # `envelope report --upgrade` gives the per-bucket table of an older profile.
+    if not profile["limits"].get("buckets"):
+        subprocess.run([BIN, "report", "--profile", path, "--out", work, "--upgrade"], check=True,
+                       stdout=subprocess.DEVNULL)
+        path = os.path.join(work, "profile.json")
+        profile = json.load(open(path))
+    config = next(c for c in profile["configs"] if c["name"] == profile["selected"])
+    rows = profile["limits"]["buckets"]
+    short, long_ = rows[0], rows[-1]
     slo = profile["slo"]
-    clients = 4 * safe
+    mem = config["memory"]
+    kv_bytes = mem["kv_capacity_tokens"] * mem["kv_bytes_per_token"]
+    shape = lambda r: (r["input_tokens"], r["output_tokens"])  # noqa: E731
+    plans = {
+        "short": ([shape(short)] * (4 * short["safe_concurrency"]),
+                  at_safe_tok_s(config, short)),
+        "mixed": ([shape(short)] * (2 * short["safe_concurrency"])
+                  + [shape(long_)] * (2 * long_["safe_concurrency"]),
+                  None),
+    }
+    s_tok, s_basis = at_safe_tok_s(config, short)
+    l_tok, l_basis = at_safe_tok_s(config, long_)
+    plans["mixed"] = (plans["mixed"][0], (0.5 * s_tok + 0.5 * l_tok, f"half of {short_label(short)} + half of {short_label(long_)}"))
 
     serve, upstream = start(["serve", "--model", MODEL, "--served-model-name", "smollm2",
-                             "--kv-cache-bytes", KV, "--max-num-seqs", "16",
-                             "--max-num-batched-tokens", "256", "--port", "0"],
+                             "--precision", config["precision"], "--kv-dtype", config["kv_dtype"],
+                             "--batch-policy", config["batch_policy"],
+                             "--max-num-seqs", str(config["max_num_seqs"]),
+                             "--max-num-batched-tokens", args.max_num_batched_tokens,
+                             "--kv-cache-bytes", str(kv_bytes), "--port", "0"],
                             "envelope serve listening on ", log)
+    results = []
     try:
-        p0 = metric(upstream, "envelope:num_preemptions_total")
-        direct = drive(upstream, clients, SECONDS, slo)
-        direct["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
-        gov, governed = start(["govern", "--profile", os.path.join(out, "profile.json"),
-                               "--upstream", upstream, "--listen", "127.0.0.1:0",
-                               "--on-mismatch", "ignore"],
-                              "envelope govern listening on ", log)
-        try:
+        for name in [s for s in args.scenarios.split(",") if s]:
+            shapes, (ref, basis) = plans[name]
             p0 = metric(upstream, "envelope:num_preemptions_total")
-            through = drive(governed, clients, SECONDS, slo)
-            through["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
-        finally:
-            gov.terminate()
-            gov.wait(10)
+            direct = drive(upstream, shapes, args.seconds, slo)
+            direct["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
+            gov, governed = start(["govern", "--profile", path, "--upstream", upstream,
+                                   "--listen", "127.0.0.1:0", "--on-mismatch", "ignore"],
+                                  "envelope govern listening on ", log)
+            try:
+                p0 = metric(upstream, "envelope:num_preemptions_total")
+                through = drive(governed, shapes, args.seconds, slo)
+                through["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
+            finally:
+                gov.terminate()
+                gov.wait(10)
+            results.append((name, len(shapes), ref, basis, direct, through))
     finally:
         serve.terminate()
         serve.wait(10)
 
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"machine: {cpu}, {os.cpu_count()} cores; commit {commit}; {SECONDS:.0f} s per run")
-    print(f"model {MODEL}, KV pool {KV} ({profile['configs'][0]['memory']['kv_capacity_tokens']} tokens), "
-          f"bucket {IN_TOKENS}x{OUT_TOKENS}; profile: feasible {bucket['feasible_concurrency']}, "
-          f"safe {safe} ({bucket['binding_constraint']}), limits {profile['limits']}")
-    print(f"profile output tok/s at the safe point: {profile_tok_s:.1f} ({basis}); "
-          f"SLOs: TTFT <= {slo['ttft_p95_ms']} ms, e2e <= {slo['e2e_p99_ms']} ms; {clients} clients")
-    cols = ["done", "retries_429", "errors", "preemptions", "ttft_p50_ms", "ttft_p99_ms",
-            "e2e_p50_ms", "e2e_p99_ms", "good_fraction", "goodput_tok_s"]
-    print("| path | " + " | ".join(cols) + " | goodput / profile |")
-    print("|---" * (len(cols) + 2) + "|")
-    for name, r in [("direct", direct), ("governed", through)]:
-        vals = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
-        print(f"| {name} | " + " | ".join(vals) + f" | {r['goodput_tok_s'] / profile_tok_s:.2f} |")
+    print(f"machine: {cpu}, {os.cpu_count()} cores; commit {commit}; {args.seconds:.0f} s per run"
+          + (f"; sweep {t_sweep:.0f} s" if not args.profile else ""))
+    print(f"profile {path}: selected {config['name']}, KV pool {kv_bytes} bytes ({mem['kv_capacity_tokens']} tokens); "
+          + ", ".join(f"{short_label(r)} safe at {r['safe_concurrency']}" for r in rows)
+          + f"; SLOs: TTFT <= {slo['ttft_p95_ms']} ms, e2e <= {slo['e2e_p99_ms']} ms")
+    cols = ["done", "429s", "errors", "preemptions", "ttft_p50_ms", "ttft_p95_ms",
+            "e2e_p50_ms", "e2e_p95_ms", "in_ttft_slo", "goodput_tok_s"]
+    print("| scenario | clients | path | " + " | ".join(cols) + " | goodput / profile |")
+    print("|---" * (len(cols) + 4) + "|")
+    failed = []
+    for name, clients, ref, basis, direct, through in results:
+        for path_name, r in [("direct", direct), ("governed", through)]:
+            vals = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+            print(f"| {name} | {clients} | {path_name} | " + " | ".join(vals)
+                  + f" | {r['goodput_tok_s'] / ref:.2f} |")
+        if through["preemptions"] > 0 or through["goodput_tok_s"] < 0.9 * ref or through["in_ttft_slo"] < 0.95:
+            failed.append(name)
+    for name, clients, ref, basis, _, _ in results:
+        print(f"profile throughput for {name}: {ref:.1f} output tok/s ({basis})")
+    print("governed runs " + ("meet the bar" if not failed else f"MISS the bar: {', '.join(failed)}")
+          + " (zero preemptions, goodput >= 0.9 of the profile's, >= 95% of admitted within the TTFT SLO)")
+    if args.check and failed:
+        sys.exit(1)
+
+
+def short_label(r):
+    return f"{r['input_tokens']}x{r['output_tokens']}"
 
 
 if __name__ == "__main__":

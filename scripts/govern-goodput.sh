@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sustained overload with the real model through the governor: goodput
-# against the profile's throughput at its safe point (see
-# scripts/govern-goodput.py). Needs the model (scripts/fetch-model.sh) and
-# the .venv with the openai client (scripts/test.sh makes both).
+# against the profile's throughput at its safe points, short-only and mixed
+# (see scripts/govern-goodput.py). Makes what it needs: the release binary,
+# the model (scripts/fetch-model.sh) and the .venv with the openai client.
 #
-#   scripts/govern-goodput.sh [SECONDS]     (default 30 per run, ~3 minutes in all)
+#   scripts/govern-goodput.sh [--seconds S] [--profile P] [--scenarios short,mixed] [--check]
+#   (default: sweeps its own profile, 30 s per run, ~6 minutes in all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x target/release/envelope ] || cargo build --release --locked >&2

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Set-up and the main job on a fresh machine: fetch the model, build, sweep
 # bench-configs/quickstart.toml (2 precisions x 2 batch policies x 3 buckets on
-# the embedded CPU engine) into sweep-out/quickstart, then serve the model and
-# ask it a question over the OpenAI API.
+# the embedded CPU engine) into sweep-out/quickstart, serve the model and ask
+# it a question over the OpenAI API, then show the chain: serve the model
+# with the swept configuration, put `envelope govern` in front with the new
+# profile, drive 4x the short bucket's safe concurrency straight at the
+# server and through the governor, and print one table of the two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,3 +36,9 @@ curl -sS "$url/v1/chat/completions" -H 'content-type: application/json' \
   -d '{"model":"smollm2","messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":40,"temperature":0}'
 echo
 target/release/envelope probe --server "$url"
+
+echo "== the chain: 4x the safe concurrency, direct vs through envelope govern"
+kill $pid 2>/dev/null || true
+wait $pid 2>/dev/null || true
+bash scripts/govern-goodput.sh --profile "$OUT/profile.json" --scenarios short \
+  --seconds "${ENVELOPE_QUICKSTART_BURST_S:-20}"

@@ -383,18 +383,8 @@ impl Governor {
         }
         let now_ms = self.now_ms();
         for e in p.tightened {
-            let ra = Self::retry_after(g, now_ms, e.class, e.demand).max(2);
-            out.push((
-                e.payload.0,
-                Err(Self::overloaded(
-                    OverloadReason::GuardTightened,
-                    ra,
-                    format!(
-                        "the live guard lowered the caps while this request waited ({}); it fits the profile, retry after {ra} s",
-                        Self::tightened_cause(g)
-                    ),
-                )),
-            ));
+            let err = Self::tightened_error(g, now_ms, e.class, e.demand);
+            out.push((e.payload.0, Err(err)));
         }
         for e in p.never_fit {
             out.push((
@@ -443,13 +433,17 @@ impl Governor {
     /// 429 for a request that fits the profile but not today's caps.
     pub fn tightened(self: &Arc<Self>, class: Class, demand: Demand) -> GovernError {
         let mut g = self.lock();
-        let ra = Self::retry_after(&mut g, self.now_ms(), class, demand).max(2);
+        Self::tightened_error(&mut g, self.now_ms(), class, demand)
+    }
+
+    fn tightened_error(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> GovernError {
+        let ra = Self::retry_after(g, now_ms, class, demand).max(2);
         Self::overloaded(
             OverloadReason::GuardTightened,
             ra,
             format!(
                 "the live guard has lowered the caps for now ({}); this request fits the profile, retry after {ra} s",
-                Self::tightened_cause(&g)
+                Self::tightened_cause(g)
             ),
         )
     }
@@ -581,15 +575,7 @@ impl Governor {
                 });
             }
             if !g.ledger.fits_now_idle(&ask.tenant, ask.demand) {
-                let ra = Self::retry_after(&mut g, now_ms, ask.class, ask.demand).max(2);
-                return Err(Self::overloaded(
-                    OverloadReason::GuardTightened,
-                    ra,
-                    format!(
-                        "the live guard has lowered the caps for now ({}); this request fits the profile, retry after {ra} s",
-                        Self::tightened_cause(&g)
-                    ),
-                ));
+                return Err(Self::tightened_error(&mut g, now_ms, ask.class, ask.demand));
             }
             if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
                 let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
