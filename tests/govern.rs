@@ -6,11 +6,9 @@
 
 mod common;
 
-use common::Server;
+use common::{Governor, Server};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// 512 KiB of f32 KV for dummy:tiny (512 bytes/token) = 1024 tokens = 64 blocks.
@@ -35,67 +33,7 @@ fn profile_json(seqs: u64, kv_tokens: u64, output: u64) -> Value {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("envelope-govern-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-struct Governor {
-    child: Child,
-    base: String,
-}
-
-impl Governor {
-    fn start(profile: &Path, upstream: &str, extra: &[&str]) -> Governor {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
-            .arg("govern")
-            .args([
-                "--profile",
-                profile.to_str().unwrap(),
-                "--upstream",
-                upstream,
-            ])
-            .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
-            .args(extra)
-            .env("ENVELOPE_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("envelope govern runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix("envelope govern listening on ") {
-                    let _ = tx.send(url.to_string());
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("governor started within 60 s");
-        Governor { child, base }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn signal(&self, sig: &str) {
-        let ok = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok);
-    }
-}
-
-impl Drop for Governor {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    common::temp_dir("envelope-govern", name)
 }
 
 fn body(prompt_words: usize, max_tokens: u64) -> Value {
@@ -175,6 +113,7 @@ async fn overload_direct_preempts_governed_does_not() {
     )
     .unwrap();
     let gov = Governor::start(
+        &dir,
         &profile,
         &server.base,
         &["--max-queue-len", "4", "--guard-interval-ms", "200"],
@@ -222,7 +161,12 @@ async fn context_caps_reload_and_drain() {
     let dir = temp_dir("reload");
     let profile = dir.join("profile.json");
     std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
-    let gov = Governor::start(&profile, &server.base, &["--guard-interval-ms", "200"]);
+    let gov = Governor::start(
+        &dir,
+        &profile,
+        &server.base,
+        &["--guard-interval-ms", "200"],
+    );
     let c = reqwest::Client::new();
 
     // Counted with the server's /tokenize: 1000 byte tokens + 64 > 1024.

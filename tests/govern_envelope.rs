@@ -8,11 +8,9 @@
 
 mod common;
 
-use common::Server;
+use common::{Governor, Server};
 use serde_json::{json, Value};
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,77 +53,14 @@ fn no_slo() -> Value {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("envelope-genv-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::temp_dir("envelope-genv", name)
 }
 
-/// The governor, its stderr kept in a file for the start-up log.
-struct Governor {
-    child: Child,
-    base: String,
-    log: PathBuf,
-}
-
-impl Governor {
-    fn start(dir: &Path, profile: &Value, upstream: &str, extra: &[&str]) -> Governor {
-        let path = dir.join("profile.json");
-        std::fs::write(&path, profile.to_string()).unwrap();
-        let log = dir.join("govern.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
-            .arg("govern")
-            .args(["--profile", path.to_str().unwrap(), "--upstream", upstream])
-            .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
-            .args(extra)
-            .env("ENVELOPE_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("envelope govern runs");
-        let mut out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let mut buf = [0u8; 256];
-            while let Ok(n) = out.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                text.push_str(&String::from_utf8_lossy(&buf[..n]));
-                if let Some(line) = text.lines().find_map(|l| {
-                    l.strip_prefix("envelope govern listening on ")
-                        .map(str::to_string)
-                }) {
-                    let _ = tx.send(line);
-                    text.clear();
-                }
-            }
-        });
-        let base = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("governor started");
-        Governor { child, base, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn state(&self) -> Value {
-        reqwest::get(format!("{}/admin/state", self.base))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for Governor {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The governor in front of `upstream` with profile `p`, written into `dir`.
+fn govern(dir: &Path, p: &Value, upstream: &str, extra: &[&str]) -> Governor {
+    let path = dir.join("profile.json");
+    std::fs::write(&path, p.to_string()).unwrap();
+    Governor::start(dir, &path, upstream, extra)
 }
 
 /// One request as the client saw it.
@@ -315,7 +250,7 @@ async fn each_request_gets_its_buckets_share_of_the_envelope() {
     let (ttft_slo, itl_slo) = (5000.0, 1000.0);
     let slo = json!({"ttft_p95_ms": ttft_slo, "itl_p95_ms": itl_slo, "e2e_p99_ms": null});
     let p = profile(&[(48, 16, 12, 50.0), (200, 56, 3, 80.0)], 1000, slo);
-    let gov = Governor::start(&dir, &p, &server.base, &["--guard-interval-ms", "200"]);
+    let gov = govern(&dir, &p, &server.base, &["--guard-interval-ms", "200"]);
     let preempted = server.metric("envelope:num_preemptions_total").await;
 
     // Short only: 16 closed-loop workers, more than the 12 the bucket allows.
@@ -414,7 +349,7 @@ async fn an_upstream_without_metrics_is_served() {
     let p = profile(&[(48, 16, 4, 50.0), (200, 56, 2, 80.0)], 1000, no_slo());
     // The upstream's 404 path stands for its missing /metrics.
     let url = format!("{}/no-metrics-here", server.base);
-    let gov = Governor::start(
+    let gov = govern(
         &dir,
         &p,
         &server.base,
@@ -465,7 +400,7 @@ async fn the_latency_guard_holds_a_slow_upstream_to_the_slos() {
     let (ttft_slo, itl_slo) = (1500.0, 45.0);
     let slo = json!({"ttft_p95_ms": ttft_slo, "itl_p95_ms": itl_slo, "e2e_p99_ms": null});
     let p = profile(&[(48, 16, 12, 100.0)], 1000, slo);
-    let gov = Governor::start(&dir, &p, &server.base, &["--guard-interval-ms", "200"]);
+    let gov = govern(&dir, &p, &server.base, &["--guard-interval-ms", "200"]);
     let run = closed_loop(&gov.base, 24, 16, |_| false).await;
     let st = gov.state().await;
     let share = st["latency_guard"]["share"].as_f64().unwrap();
@@ -511,6 +446,69 @@ async fn the_latency_guard_holds_a_slow_upstream_to_the_slos() {
             "{o:?}"
         );
     }
+    drop(gov);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The ladder, from a real server's KV use: while another client's long
+/// request holds over 90% of the server's KV pool, a request that fits the
+/// profile but not the halved caps gets 429 with Retry-After (a temporary
+/// refusal, not a 400); what can never fit the profile is still a 400; once
+/// the pool frees, the same request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ladder_tightening_from_a_real_servers_kv_answers_429() {
+    // 64 blocks of 16 tokens; each step sleeps 100 ms, so the long request
+    // below holds its blocks for seconds on any machine.
+    let server = Server::start(&[
+        "--model",
+        "dummy:tiny",
+        "--kv-cache-bytes",
+        KV_POOL,
+        "--slow-step-ms-per-seq",
+        "100",
+    ]);
+    let dir = temp_dir("ladder");
+    let p = profile(&[(48, 16, 4, 50.0), (200, 56, 2, 80.0)], 1000, no_slo());
+    let gov = govern(&dir, &p, &server.base, &["--guard-interval-ms", "100"]);
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    // Straight at the server (past the governor, as another client of the
+    // node would): 930 prompt tokens + 40 = 61 of 64 blocks by the end,
+    // 59 (92%) from the prefill on.
+    let direct = {
+        let (client, base) = (client.clone(), server.base.clone());
+        tokio::spawn(async move { stream(&client, &base, 155, 40, t0).await })
+    };
+    let st = gov
+        .wait_state(Duration::from_secs(120), |s| {
+            s["ladder"]["level"] == "small_context"
+        })
+        .await;
+    assert_eq!(st["ladder"]["cause"], "kv_usage", "{st}");
+    // 198 + 56 fits the profile's 254, not today's halved 127.
+    let o = stream(&client, &gov.base, LONG_WORDS, LONG_OUT, t0).await;
+    assert_eq!(o.status, 429, "{o:?}");
+    assert_eq!(o.reason, "guard_tightened");
+    assert!(matches!(o.retry_after, Some(1..=60)), "{o:?}");
+    // Beyond the profile itself (300 prompt tokens of 254): 400, whatever
+    // the ladder says.
+    let r = client
+        .post(gov.url("/v1/completions"))
+        .json(&json!({"prompt": "hello ".repeat(50), "max_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let d = direct.await.unwrap();
+    assert_eq!((d.status, d.tokens), (200, 40), "{d:?}");
+    gov.wait_state(Duration::from_secs(120), |s| {
+        s["ladder"]["level"] == "normal"
+    })
+    .await;
+    let o = stream(&client, &gov.base, LONG_WORDS, LONG_OUT, t0).await;
+    assert_eq!((o.status, o.tokens), (200, LONG_OUT), "{o:?}");
     drop(gov);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -90,4 +90,106 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// `envelope govern` on a free loopback port in front of `upstream`, its
+/// stderr kept in `dir/govern.log` (start-up lines, warnings); stopped on
+/// drop.
+pub struct Governor {
+    pub child: Child,
+    pub base: String,
+    log: PathBuf,
+}
+
+impl Governor {
+    pub fn start(dir: &Path, profile: &Path, upstream: &str, extra: &[&str]) -> Governor {
+        let log = dir.join("govern.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .arg("govern")
+            .args([
+                "--profile",
+                profile.to_str().unwrap(),
+                "--upstream",
+                upstream,
+            ])
+            .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
+            .args(extra)
+            .env("ENVELOPE_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("envelope govern runs");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix("envelope govern listening on ") {
+                    let _ = tx.send(url.to_string());
+                }
+            }
+        });
+        let base = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("governor started within 120 s");
+        Governor { child, base, log }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// What the governor wrote to stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn state(&self) -> serde_json::Value {
+        reqwest::get(self.url("/admin/state"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Polls `/admin/state` until `f` holds; panics after `timeout`, a hang
+    /// guard, not a speed bound.
+    pub async fn wait_state<F: Fn(&serde_json::Value) -> bool>(
+        &self,
+        timeout: Duration,
+        f: F,
+    ) -> serde_json::Value {
+        let start = Instant::now();
+        loop {
+            let st = self.state().await;
+            if f(&st) {
+                return st;
+            }
+            assert!(start.elapsed() < timeout, "state never matched: {st}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    }
+}
+
+impl Drop for Governor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A fresh directory under the system temp dir for one test.
+pub fn temp_dir(prefix: &str, name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("{prefix}-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
 }
