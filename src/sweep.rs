@@ -108,6 +108,12 @@ pub fn run(args: &SweepArgs) -> Result<()> {
                     }
                     bar.set_message(line.to_string());
                 }
+                SweepEvent::Note(line) => {
+                    // What the harness found out about a server: always said.
+                    bar.suspend(|| {
+                        eprintln!("[{:>6.1}s] note: {line}", start.elapsed().as_secs_f64())
+                    });
+                }
                 SweepEvent::Probed(row) => {
                     if args.json {
                         // One JSON line per probe, as it ends.

@@ -4,7 +4,9 @@
 //! - the embedded engine and `launch` (envelope serve started by the harness)
 //!   agree within one ladder step;
 //! - `http` with open-loop Poisson arrivals finds a feasible rate;
-//! - a launched server that dies is a data point, not the end of the sweep.
+//! - a launched server that dies is a data point, not the end of the sweep;
+//! - a server that ends running streams early when a new request arrives
+//!   fails its probes with `short_output`, not counted as fast.
 
 mod common;
 
@@ -145,6 +147,16 @@ ready_timeout_s = 120
     assert_eq!(launch["fingerprint"]["model"]["kind"], "served");
     assert_eq!(launch["fingerprint"]["engine"]["name"], "envelope");
     assert_eq!(launch["configs"][0]["memory"]["source"], "process_rss");
+    // The launched server's cold start, and what one request alone showed.
+    let c = &launch["configs"][0];
+    assert!(c["time_to_ready_s"].as_f64().unwrap() > 0.0, "{c}");
+    assert_eq!(c["server_checks"]["ignore_eos"], true, "{c}");
+    assert_eq!(c["server_checks"]["token_prompts"], true, "{c}");
+    // envelope serve answers whole under load: no request failed.
+    assert!(probes.iter().all(|p| p["errors"] == 0), "{lb}");
+    assert!(std::fs::read_to_string(d.join("out/report.md"))
+        .unwrap()
+        .contains("## Servers"));
     // The KV capacity came from envelope serve's /metrics, so the limit matches the engine's.
     assert_eq!(launch["configs"][0]["memory"]["kv_capacity_tokens"], 960);
     assert_eq!(
@@ -208,14 +220,16 @@ headroom = 0.25
     // 4 MiB of f32 KV at 512 bytes per token, read from the server's /metrics.
     assert_eq!(profile["configs"][0]["memory"]["kv_capacity_tokens"], 8192);
 
-    // A model name the server does not serve: the configuration fails with
-    // the server's answer instead of being searched.
+    // A model name the server does not serve: the check before the sweep
+    // fails the configuration with the server's answer; nothing is probed.
     let d = out_dir("wrong-model");
     let (probes, profile) = sweep(&d, &cfg.replace("model = \"tiny\"", "model = \"nope\""));
-    assert_eq!(probes.len(), 1);
+    assert_eq!(probes.len(), 0);
     let e = profile["configs"][0]["error"].as_str().unwrap();
     assert!(
-        e.contains("HTTP 404") && e.contains("model_not_found"),
+        e.contains("server check failed: http_404")
+            && e.contains("HTTP 404")
+            && e.contains("model_not_found"),
         "{e}"
     );
 }
@@ -260,4 +274,299 @@ e2e_p99_ms = 60000
         "{c}"
     );
     assert!(std::fs::read_dir(d.join("out/logs")).unwrap().count() >= 2);
+}
+
+/// An OpenAI-compatible server that misbehaves the way some do under load:
+/// each new request ends every running stream early (a finish reason, the
+/// usage and `[DONE]`, as if the answer were whole). Alone, a request gets
+/// all it asked for. No `/metrics`.
+mod cutting_server {
+    use axum::body::Body;
+    use axum::extract::State;
+    use axum::routing::post;
+    use axum::{Json, Router};
+    use serde_json::{json, Value};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    pub async fn start() -> String {
+        let arrivals = Arc::new(AtomicU64::new(0));
+        let app = Router::new()
+            .route("/v1/completions", post(completions))
+            .with_state(arrivals);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        base
+    }
+
+    async fn completions(State(arrivals): State<Arc<AtomicU64>>, Json(body): Json<Value>) -> Body {
+        let me = arrivals.fetch_add(1, Ordering::SeqCst) + 1;
+        let asked = body["max_tokens"].as_u64().unwrap_or(16);
+        let prompt = body["prompt"].as_array().map_or(1, |p| p.len() as u64);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(4);
+        tokio::spawn(async move {
+            let event = |v: Value| Ok(format!("data: {v}\n\n"));
+            let mut sent = 0;
+            let mut finish = "length";
+            while sent < asked {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if arrivals.load(Ordering::SeqCst) != me {
+                    finish = "stop";
+                    break;
+                }
+                sent += 1;
+                let chunk = json!({"choices": [{"index": 0, "text": "x", "finish_reason": null}]});
+                if tx.send(event(chunk)).await.is_err() {
+                    return;
+                }
+            }
+            let end = json!({"choices": [{"index": 0, "text": "", "finish_reason": finish}]});
+            let usage = json!({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": sent}});
+            for e in [event(end), event(usage), Ok("data: [DONE]\n\n".into())] {
+                let _ = tx.send(e).await;
+            }
+        });
+        Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_cuts_streams_fails_its_probes_with_short_output() {
+    let base = cutting_server::start().await;
+    let d = out_dir("cutting");
+    let cfg = format!(
+        r#"[target]
+kind = "http"
+model = "fake"
+base_url = "{base}"
+vocab_size = 256
+[matrix]
+buckets = ["8x16"]
+concurrency_max = 4
+[load]
+rounds = 3
+max_client_gap_ms = 1000
+[slo]
+e2e_p99_ms = 60000
+headroom = 0.0
+"#
+    );
+    let (probes, profile) = {
+        let d = d.clone();
+        tokio::task::spawn_blocking(move || sweep(&d, &cfg))
+            .await
+            .unwrap()
+    };
+    let b = bucket(&profile);
+    // One at a time every answer is whole; two at a time each arrival cuts
+    // the other's stream, and those answers are errors, not fast requests.
+    assert_eq!(b["feasible_concurrency"], 1, "{b}");
+    assert_eq!(b["binding_constraint"], "errors", "{b}");
+    let cut = probes
+        .iter()
+        .find(|p| p["probe"]["concurrency"] == 2)
+        .expect("a probe at 2");
+    assert!(cut["probe"]["errors"].as_u64().unwrap() > 0, "{cut}");
+    assert_eq!(profile["configs"][0]["server_checks"]["ignore_eos"], true);
+    let csv = std::fs::read_to_string(d.join("out/requests.csv")).unwrap();
+    let head: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = head.iter().position(|h| *h == "error_reason").unwrap();
+    let short = csv
+        .lines()
+        .skip(1)
+        .filter(|l| l.split(',').nth(col) == Some("short_output"))
+        .count();
+    assert!(short > 0, "{csv}");
+    let report = std::fs::read_to_string(d.join("out/report.md")).unwrap();
+    assert!(report.contains("`short_output`"), "{report}");
+}
+
+/// Agent-shaped load against `envelope serve`: a two-class workload (a
+/// three-call agent session over a shared system prompt, and one-call
+/// classifications) yields a safe scale and per-class latencies.
+#[test]
+fn a_two_class_workload_with_sessions_yields_a_safe_scale() {
+    let server = common::Server::start(&[
+        "--model",
+        "dummy:tiny",
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-bytes",
+        "4MiB",
+    ]);
+    let d = out_dir("workload");
+    let workload = d.join("agents.toml");
+    std::fs::write(
+        &workload,
+        r#"name = "agents"
+[[class]]
+name = "agent"
+runs_per_min = 60
+model_calls_per_run = 3
+input_tokens_p50 = 24
+input_tokens_p95 = 32
+output_tokens_p50 = 8
+output_tokens_p95 = 8
+system_prompt_tokens = 16
+tool_result_tokens = 6
+
+[[class]]
+name = "classify"
+runs_per_min = 120
+model_calls_per_run = 1
+input_tokens_p50 = 16
+input_tokens_p95 = 16
+output_tokens_p50 = 2
+output_tokens_p95 = 2
+"#,
+    )
+    .unwrap();
+    let cfg = format!(
+        r#"[target]
+kind = "http"
+model = "tiny"
+base_url = "{}"
+vocab_size = 256
+[matrix]
+buckets = ["16x8"]
+concurrency_max = 2
+[load]
+rounds = 1
+min_requests = 6
+max_client_gap_ms = 1000
+workload = "{}"
+duration_s = 3
+scale_min = 0.5
+scale_step = 0.5
+scale_max = 2
+late_after_ms = 500
+[slo]
+e2e_p99_ms = 30000
+headroom = 0.25
+"#,
+        server.base,
+        workload.display()
+    );
+    let (_, profile) = sweep(&d, &cfg);
+    let w = &profile["configs"][0]["workload"];
+    assert_eq!(w["name"], "agents", "{w}");
+    assert_eq!(w["arrival"], "poisson");
+    let feasible = w["feasible_scale"].as_f64().unwrap();
+    assert!(feasible >= 0.5, "{w}");
+    assert_eq!(w["safe_scale"].as_f64().unwrap(), feasible * 0.75);
+    let probes = w["probes"].as_array().unwrap();
+    assert!(!probes.is_empty());
+    for p in probes {
+        let agent = &p["classes"]["agent"];
+        let classify = &p["classes"]["classify"];
+        let (runs, calls) = (
+            agent["runs"].as_u64().unwrap(),
+            agent["requests"].as_u64().unwrap(),
+        );
+        assert!(runs > 0 && calls == 3 * runs, "three calls a run: {agent}");
+        // Sessions grow: later calls carry the earlier ones' context.
+        assert!(
+            agent["input_tokens_mean"].as_f64().unwrap() > 32.0,
+            "{agent}"
+        );
+        assert!(
+            agent["run_e2e_ms"]["p95"].as_f64().unwrap() > agent["e2e_ms"]["p95"].as_f64().unwrap()
+        );
+        assert_eq!(classify["requests"], classify["runs"]);
+        assert!(classify["ttft_ms"]["p95"].as_f64().unwrap() > 0.0);
+        assert_eq!(p["summary"]["errors"], 0, "{p}");
+    }
+    let csv = std::fs::read_to_string(d.join("out/requests.csv")).unwrap();
+    assert!(csv
+        .lines()
+        .any(|l| l.contains("workload:agents") && l.contains(",agent,")));
+    let report = std::fs::read_to_string(d.join("out/report.md")).unwrap();
+    assert!(report.contains("## Workload `agents`"), "{report}");
+}
+
+/// The saturation curve against a server whose throughput is fixed (each
+/// engine step sleeps 10 ms per sequence: about 100 tokens/s whatever the
+/// batch): past the first breach the harness steps on to the collapse,
+/// then drops back to the safe scale and times the recovery.
+#[test]
+fn a_collapse_and_recovery_run_finds_knee_collapse_and_recovery() {
+    let server = common::Server::start(&[
+        "--model",
+        "dummy:tiny",
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-bytes",
+        "8MiB",
+        "--max-num-seqs",
+        "256",
+        "--slow-step-ms-per-seq",
+        "10",
+    ]);
+    let d = out_dir("collapse");
+    let workload = d.join("chat.toml");
+    std::fs::write(
+        &workload,
+        r#"name = "chat"
+[[class]]
+name = "chat"
+runs_per_min = 60
+model_calls_per_run = 1
+input_tokens_p50 = 16
+input_tokens_p95 = 16
+output_tokens_p50 = 20
+output_tokens_p95 = 20
+"#,
+    )
+    .unwrap();
+    let cfg = format!(
+        r#"[target]
+kind = "http"
+model = "tiny"
+base_url = "{}"
+vocab_size = 256
+[matrix]
+buckets = ["16x4"]
+concurrency_max = 1
+[load]
+rounds = 1
+min_requests = 6
+max_client_gap_ms = 1000
+workload = "{}"
+duration_s = 2
+scale_min = 1
+scale_step = 1
+scale_max = 32
+collapse_probes = 3
+recovery_s = 20
+late_after_ms = 500
+max_late_fraction = 0.5
+[slo]
+e2e_p99_ms = 1000
+headroom = 0.5
+"#,
+        server.base,
+        workload.display()
+    );
+    let (_, profile) = sweep(&d, &cfg);
+    let w = &profile["configs"][0]["workload"];
+    assert_eq!(w["binding_constraint"], "e2e_p99", "{w}");
+    let feasible = w["feasible_scale"].as_f64().unwrap();
+    assert!(feasible >= 1.0, "{w}");
+    let knee = w["knee_scale"].as_f64().expect("a knee");
+    let collapse = w["collapse_scale"].as_f64().expect("a collapse");
+    assert!(knee < collapse, "knee {knee}, collapse {collapse}");
+    assert!(collapse > feasible);
+    let r = &w["recovery"];
+    assert_eq!(r["from_scale"].as_f64().unwrap(), collapse, "{r}");
+    assert_eq!(r["to_scale"], w["safe_scale"]);
+    let t = r["recovery_s"]
+        .as_f64()
+        .expect("recovered within the window");
+    // The backlog of the collapse is still there after the switch.
+    assert!(t > 0.0 && r["missed_after"].as_u64().unwrap() > 0, "{r}");
+    assert!(d
+        .join("out/plots/as-served-f32-as-served-workload.svg")
+        .exists());
 }

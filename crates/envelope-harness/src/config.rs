@@ -5,6 +5,7 @@ use crate::load::Prompts;
 use envelope_engine::{BatchPolicy, KvDtype, Precision};
 use envelope_profile::Slo;
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +60,13 @@ pub struct TargetConfig {
     /// http and launch: a request taking longer is an error (default 600).
     #[serde(default = "default_request_timeout")]
     pub request_timeout_s: u64,
+    /// launch: what a matrix value becomes in the command, per placeholder
+    /// (`precision`, `kv_dtype`, `batch_policy`), e.g.
+    /// `[target.values.precision] fp8 = "--quantization fp8"`. A placeholder
+    /// with a table must have an entry for every value of its matrix axis;
+    /// one without is substituted as written.
+    #[serde(default)]
+    pub values: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 fn default_ready_path() -> String {
@@ -156,6 +164,57 @@ pub struct LoadConfig {
     /// invalid (`client_limited`).
     #[serde(default = "late_share")]
     pub max_late_fraction: f64,
+    /// Agent-shaped load: an `envelope plan` workload file. After the
+    /// buckets, each configuration's safe scale of it is searched (see
+    /// `envelope_harness::agents`).
+    pub workload: Option<String>,
+    /// workload: how runs arrive: `poisson`, `bursts` (on/off) or `ramp`.
+    #[serde(default = "poisson")]
+    pub arrival: String,
+    /// workload, bursts: seconds on and off (the mean rate is kept).
+    #[serde(default = "rate_one")]
+    pub burst_on_s: f64,
+    #[serde(default = "three")]
+    pub burst_off_s: f64,
+    /// workload: the searched scales (1.0 = the workload's mean rates) are
+    /// multiples of `scale_step` in [scale_min, scale_max].
+    #[serde(default = "quarter")]
+    pub scale_min: f64,
+    #[serde(default = "quarter")]
+    pub scale_step: f64,
+    #[serde(default = "scale_max")]
+    pub scale_max: f64,
+    /// workload: after the first breach, at most this many more probes,
+    /// each at twice the scale, until goodput falls below
+    /// `collapse_fraction` of its peak (the collapse); then the recovery
+    /// from there to the safe scale is timed. 0: neither.
+    #[serde(default = "three_u32")]
+    pub collapse_probes: u32,
+    #[serde(default = "half")]
+    pub collapse_fraction: f64,
+    /// workload: seconds at the safe scale after the overload (default
+    /// twice `duration_s`).
+    pub recovery_s: Option<f64>,
+}
+
+fn three_u32() -> u32 {
+    3
+}
+fn half() -> f64 {
+    0.5
+}
+
+fn poisson() -> String {
+    "poisson".into()
+}
+fn three() -> f64 {
+    3.0
+}
+fn quarter() -> f64 {
+    0.25
+}
+fn scale_max() -> f64 {
+    8.0
 }
 
 fn closed() -> String {
@@ -200,6 +259,16 @@ impl Default for LoadConfig {
             max_client_gap_ms: gap_ms(),
             late_after_ms: late_ms(),
             max_late_fraction: late_share(),
+            workload: None,
+            arrival: poisson(),
+            burst_on_s: 1.0,
+            burst_off_s: three(),
+            scale_min: quarter(),
+            scale_step: quarter(),
+            scale_max: scale_max(),
+            collapse_probes: 3,
+            collapse_fraction: 0.5,
+            recovery_s: None,
         }
     }
 }
@@ -294,6 +363,8 @@ pub enum Target {
         base_url: String,
         ready_path: String,
         ready_timeout_s: u64,
+        /// `target.values`: matrix values as the server's flags.
+        values: BTreeMap<String, BTreeMap<String, String>>,
     },
 }
 
@@ -333,6 +404,8 @@ pub struct BenchConfig {
     pub concurrency_min: u32,
     pub concurrency_max: u32,
     pub load: LoadConfig,
+    /// `load.workload`, read and validated.
+    pub agents: Option<crate::agents::AgentLoad>,
     pub prompts: Prompts,
     pub quality: Option<QualitySettings>,
     pub slo: Slo,
@@ -380,6 +453,7 @@ impl BenchConfig {
                     .unwrap_or_else(|| "http://127.0.0.1:{port}".into()),
                 ready_path: t.ready_path.clone(),
                 ready_timeout_s: t.ready_timeout_s,
+                values: t.values.clone(),
             },
             other => {
                 return Err(err(format!(
@@ -608,7 +682,10 @@ impl BenchConfig {
                 "slo.max_kv_usage and slo.max_error_rate must be in [0, 1]".into(),
             ));
         }
-        Ok(BenchConfig {
+        if !t.values.is_empty() && !matches!(target, Target::Launch { .. }) {
+            return Err(err("target.values is for the launch target".into()));
+        }
+        let cfg = BenchConfig {
             file: path.to_path_buf(),
             target,
             http,
@@ -623,10 +700,21 @@ impl BenchConfig {
             concurrency_min: m.concurrency_min,
             concurrency_max: m.concurrency_max,
             load: raw.load.clone(),
+            agents: crate::agents::AgentLoad::from_load(&raw.load).map_err(err)?,
             prompts,
             quality,
             slo: raw.slo,
-        })
+        };
+        // Every configuration's command renders (all placeholders known,
+        // every matrix value mapped) before anything is launched.
+        if let Target::Launch { command, .. } = &cfg.target {
+            for point in &cfg.points {
+                crate::launch::command_vars(&cfg, point, 0)
+                    .and_then(|vars| crate::launch::render(command, &vars))
+                    .map_err(|e| err(format!("target.command for {}: {e}", point.name())))?;
+            }
+        }
+        Ok(cfg)
     }
 }
 
@@ -801,6 +889,106 @@ headroom = 0.25
         assert!(c.load.is_open_loop());
         assert_eq!(c.load.rate_step_per_s, 0.5);
         assert_eq!(c.http.metrics_url.as_deref(), Some("{base_url}/metrics"));
+    }
+
+    /// The committed launch templates for the servers users run: every
+    /// matrix point renders into that server's own flags.
+    #[test]
+    fn launch_templates_map_the_matrix_to_each_servers_flags() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench-configs");
+        let command = |file: &str, precision: &str, kv: &str| {
+            let c = BenchConfig::load(&dir.join(file)).unwrap();
+            let Target::Launch { command, .. } = &c.target else {
+                panic!("{file} is not a launch config")
+            };
+            let p = c
+                .points
+                .iter()
+                .find(|p| p.precision == precision && p.kv_dtype == kv)
+                .unwrap_or_else(|| panic!("{file}: no {precision}/{kv} point"));
+            let vars = crate::launch::command_vars(&c, p, 8123).unwrap();
+            crate::launch::render(command, &vars).unwrap()
+        };
+        let v = command("launch-vllm.toml", "fp8", "fp8");
+        for flag in [
+            "--quantization fp8",
+            "--kv-cache-dtype fp8",
+            "--max-num-seqs 256",
+            "--kv-cache-memory-bytes 42949672960",
+            "--port 8123",
+        ] {
+            assert!(v.contains(flag), "{flag} not in {v}");
+        }
+        assert!(!command("launch-vllm.toml", "bf16", "auto").contains("--quantization"));
+        let s = command("launch-sglang.toml", "fp8", "fp8");
+        for flag in [
+            "--quantization fp8",
+            "--kv-cache-dtype fp8_e4m3",
+            "--max-running-requests 256",
+            "--max-total-tokens 262144",
+            "--enable-metrics",
+        ] {
+            assert!(s.contains(flag), "{flag} not in {s}");
+        }
+        let t = command("launch-tgi.toml", "fp8", "fp8");
+        for flag in [
+            "--quantize fp8",
+            "--kv-cache-dtype fp8_e4m3fn",
+            "--max-batch-size 256",
+            "--max-batch-total-tokens 262144",
+        ] {
+            assert!(t.contains(flag), "{flag} not in {t}");
+        }
+        assert!(!command("launch-tgi.toml", "bf16", "auto").contains("kv-cache-dtype"));
+    }
+
+    #[test]
+    fn an_unmapped_matrix_value_names_the_field() {
+        let text = r#"
+[target]
+kind = "launch"
+model = "m"
+command = "server {precision} --port {port}"
+[target.values.precision]
+bf16 = "--dtype bfloat16"
+[matrix]
+precisions = ["bf16", "fp8"]
+batch_policies = ["continuous"]
+buckets = ["8x8"]
+"#;
+        let e = BenchConfig::parse(text, Path::new("bench-configs/v.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bench-configs/v.toml")
+                && e.contains("target.values.precision")
+                && e.contains("`fp8`"),
+            "{e}"
+        );
+        // A placeholder the command does not know is caught before launch too.
+        let e = BenchConfig::parse(
+            &text.replace("{port}", "{prot}").replace(
+                "precisions = [\"bf16\", \"fp8\"]",
+                "precisions = [\"bf16\"]",
+            ),
+            Path::new("v.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("{prot}"), "{e}");
+        // The token-sized KV pool placeholder needs target.kv_capacity_tokens.
+        let e = BenchConfig::parse(
+            &text
+                .replace("{port}", "{port} {kv_capacity_tokens}")
+                .replace(
+                    "precisions = [\"bf16\", \"fp8\"]",
+                    "precisions = [\"bf16\"]",
+                ),
+            Path::new("v.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("kv_capacity_tokens"), "{e}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! SSE chunk, with the server's `/metrics` read through envelope-telemetry).
 
 use crate::load::{Driver, LoadRequest, RequestRecord, Snapshot};
+use crate::truth::{error, reason};
 use envelope_engine::{EngineHandle, Event, GenerateRequest, SamplingParams};
 use std::io::{BufRead, BufReader};
 use std::sync::atomic::Ordering;
@@ -37,7 +38,7 @@ impl Driver for EngineDriver {
         let mut rx = match self.engine.submit(g) {
             Ok(rx) => rx,
             Err(e) => {
-                rec.error = Some(e.to_string());
+                rec.error = Some(error(reason::ENGINE_ERROR, e));
                 return;
             }
         };
@@ -47,16 +48,21 @@ impl Driver for EngineDriver {
                 Some(Event::Token { at, .. }) => {
                     note_token(rec, t0, &mut last, at);
                 }
-                Some(Event::Done { preemptions, .. }) => {
+                Some(Event::Done {
+                    preemptions,
+                    reason,
+                    ..
+                }) => {
                     rec.preemptions = preemptions;
+                    rec.finish_reason = Some(reason.as_str().to_string());
                     return;
                 }
                 Some(Event::Error(e)) => {
-                    rec.error = Some(e);
+                    rec.error = Some(error(reason::ENGINE_ERROR, e));
                     return;
                 }
                 None => {
-                    rec.error = Some("the engine stopped".into());
+                    rec.error = Some(error(reason::ENGINE_ERROR, "the engine stopped"));
                     return;
                 }
             }
@@ -103,6 +109,9 @@ pub struct HttpDriver {
     vocab_size: usize,
     prompt_format: PromptFormat,
     extra_body: serde_json::Map<String, serde_json::Value>,
+    /// Whether an answer short of the asked length is an error (the server
+    /// honours `ignore_eos`); see [`crate::truth::check_server`].
+    exact_output: bool,
     /// The server's process, when the harness launched it (for its RSS).
     pub pid: Option<u32>,
     nvml: Option<envelope_telemetry::gpu::Nvml>,
@@ -133,9 +142,22 @@ impl HttpDriver {
             vocab_size: s.vocab_size,
             prompt_format: s.prompt_format,
             extra_body: s.extra_body,
+            exact_output: true,
             pid: None,
             nvml: envelope_telemetry::gpu::Nvml::init().ok(),
         })
+    }
+
+    pub fn prompt_format(&self) -> PromptFormat {
+        self.prompt_format
+    }
+
+    pub fn set_prompt_format(&mut self, f: PromptFormat) {
+        self.prompt_format = f;
+    }
+
+    pub fn set_exact_output(&mut self, exact: bool) {
+        self.exact_output = exact;
     }
 
     fn body(&self, req: &LoadRequest) -> serde_json::Value {
@@ -177,17 +199,20 @@ impl HttpDriver {
             .post(&self.completions_url)
             .json(&self.body(req))
             .send()
-            .map_err(|e| format!("request failed: {e}"))?;
+            .map_err(|e| error(reason::REQUEST_FAILED, e))?;
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().unwrap_or_default();
-            return Err(format!("HTTP {}: {}", status.as_u16(), first_line(&text)));
+            return Err(error(
+                &format!("http_{}", status.as_u16()),
+                format!("HTTP {}: {}", status.as_u16(), first_line(&text)),
+            ));
         }
         let mut last = t0;
         let mut usage_tokens = None;
         let mut done = false;
         for line in BufReader::new(resp).lines() {
-            let line = line.map_err(|e| format!("stream broke: {e}"))?;
+            let line = line.map_err(|e| error(reason::STREAM_CUT, format!("stream broke: {e}")))?;
             let Some(data) = line.strip_prefix("data:").map(str::trim) else {
                 continue;
             };
@@ -196,9 +221,15 @@ impl HttpDriver {
                 break;
             }
             let v: serde_json::Value =
-                serde_json::from_str(data).map_err(|e| format!("bad SSE data: {e}"))?;
+                serde_json::from_str(data).map_err(|e| error(reason::BAD_SSE, e))?;
             if let Some(e) = v.get("error") {
-                return Err(format!("server error mid-stream: {e}"));
+                return Err(error(reason::SERVER_ERROR, format!("mid-stream: {e}")));
+            }
+            if let Some(f) = v
+                .pointer("/choices/0/finish_reason")
+                .and_then(|f| f.as_str())
+            {
+                rec.finish_reason = Some(f.to_string());
             }
             if let Some(n) = v
                 .pointer("/usage/completion_tokens")
@@ -218,7 +249,10 @@ impl HttpDriver {
             }
         }
         if !done {
-            return Err("stream ended without [DONE]".into());
+            return Err(error(
+                reason::STREAM_CUT,
+                format!("ended without [DONE] after {} tokens", rec.output_tokens),
+            ));
         }
         // A chunk can carry several tokens; the usage count is the truth.
         if let Some(n) = usage_tokens {
@@ -287,5 +321,9 @@ impl Driver for HttpDriver {
 
     fn monitor_interval(&self) -> Duration {
         Duration::from_millis(50)
+    }
+
+    fn exact_output(&self) -> bool {
+        self.exact_output
     }
 }

@@ -2,6 +2,7 @@
 //! template, wait until it answers, capture its log, notice when it dies,
 //! and stop it (SIGTERM to its process group, SIGKILL after a grace period).
 
+use crate::config::{BenchConfig, MatrixPoint, Target};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -34,6 +35,65 @@ pub fn render(template: &str, vars: &BTreeMap<&str, String>) -> Result<String, S
     Ok(out)
 }
 
+/// The placeholders of a launch command for one matrix point: `{model}`,
+/// `{precision}`, `{kv_dtype}`, `{batch_policy}` (through `target.values`
+/// where it has a table for them), `{max_num_seqs}`,
+/// `{max_num_batched_tokens}`, `{kv_cache_bytes}`, `{block_size}`, `{port}`
+/// and, where `target.kv_capacity_tokens` is set, `{kv_capacity_tokens}`
+/// (for servers sized in tokens: SGLang's `--max-total-tokens`, TGI's
+/// `--max-batch-total-tokens`).
+pub fn command_vars(
+    cfg: &BenchConfig,
+    point: &MatrixPoint,
+    port: u16,
+) -> Result<BTreeMap<&'static str, String>, String> {
+    let empty = BTreeMap::new();
+    let values = match &cfg.target {
+        Target::Launch { values, .. } => values,
+        _ => &empty,
+    };
+    if let Some(k) = values
+        .keys()
+        .find(|k| !["precision", "kv_dtype", "batch_policy"].contains(&k.as_str()))
+    {
+        return Err(format!(
+            "target.values.{k}: only precision, kv_dtype and batch_policy are mapped"
+        ));
+    }
+    let mapped = |axis: &str, v: &str| -> Result<String, String> {
+        match values.get(axis) {
+            None => Ok(v.to_string()),
+            Some(table) => table.get(v).cloned().ok_or_else(|| {
+                format!(
+                    "target.values.{axis} has no entry for `{v}` (it has {})",
+                    table
+                        .keys()
+                        .map(|k| format!("`{k}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }),
+        }
+    };
+    let mut vars = BTreeMap::new();
+    vars.insert("model", cfg.model.clone());
+    vars.insert("precision", mapped("precision", &point.precision)?);
+    vars.insert("kv_dtype", mapped("kv_dtype", &point.kv_dtype)?);
+    vars.insert("batch_policy", mapped("batch_policy", &point.policy)?);
+    vars.insert("max_num_seqs", cfg.max_num_seqs.to_string());
+    vars.insert(
+        "max_num_batched_tokens",
+        cfg.max_num_batched_tokens.to_string(),
+    );
+    vars.insert("kv_cache_bytes", cfg.kv_cache_bytes.to_string());
+    vars.insert("block_size", cfg.block_size.to_string());
+    vars.insert("port", port.to_string());
+    if let Some(t) = cfg.http.kv_capacity_tokens {
+        vars.insert("kv_capacity_tokens", t.to_string());
+    }
+    Ok(vars)
+}
+
 /// A free loopback port (bound, then released for the server to take).
 pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -46,6 +106,9 @@ pub struct LaunchedServer {
     pub command: String,
     pub log_path: PathBuf,
     pub base_url: String,
+    /// From the start of the command to its first 2xx on the ready path:
+    /// the server's cold start (provisioning lead time, less the node's).
+    pub time_to_ready: Duration,
 }
 
 impl LaunchedServer {
@@ -67,6 +130,7 @@ impl LaunchedServer {
             std::fs::File::create(log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
         let log2 = log.try_clone().map_err(|e| e.to_string())?;
         use std::os::unix::process::CommandExt;
+        let started = Instant::now();
         let child = Command::new("sh")
             .arg("-c")
             .arg(format!("exec {command}"))
@@ -81,6 +145,7 @@ impl LaunchedServer {
             command: command.to_string(),
             log_path: log_path.to_path_buf(),
             base_url: base_url.trim_end_matches('/').to_string(),
+            time_to_ready: Duration::ZERO,
         };
         let client = reqwest::blocking::Client::builder()
             .timeout(Duration::from_secs(2))
@@ -101,6 +166,7 @@ impl LaunchedServer {
                 .send()
                 .is_ok_and(|r| r.status().is_success())
             {
+                server.time_to_ready = started.elapsed();
                 return Ok(server);
             }
             if Instant::now() > deadline {

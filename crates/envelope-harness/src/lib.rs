@@ -5,6 +5,7 @@
 //! a running OpenAI-compatible server (`http`), or a server the harness
 //! starts per configuration (`launch`).
 
+pub mod agents;
 pub mod config;
 pub mod driver;
 pub mod launch;
@@ -14,6 +15,7 @@ pub mod quality;
 pub mod report;
 pub mod stats;
 pub mod sweep;
+pub mod truth;
 
 pub use config::{BenchConfig, ConfigError};
 pub use sweep::{run_sweep, SweepEvent, SweepOutput};

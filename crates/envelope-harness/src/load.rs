@@ -21,6 +21,12 @@ pub struct RequestRecord {
     pub input_tokens: u32,
     pub output_tokens: u32,
     pub preemptions: u32,
+    /// The finish reason the server (or engine) sent, when it sent one.
+    pub finish_reason: Option<String>,
+    /// Agent-shaped load: the task class and the run (session) of the call.
+    pub class: Option<String>,
+    pub run: u32,
+    /// `reason: detail` (see [`crate::truth`]); None for a whole answer.
     pub error: Option<String>,
 }
 
@@ -119,6 +125,11 @@ pub trait Driver: Send + Sync {
     /// load generator's).
     fn in_process(&self) -> bool {
         false
+    }
+    /// Whether an answer shorter than asked is an error: true unless the
+    /// server was found not to honour `ignore_eos`.
+    fn exact_output(&self) -> bool {
+        true
     }
     /// How often the monitor reads [`Driver::snapshot`].
     fn monitor_interval(&self) -> Duration {
@@ -296,6 +307,9 @@ fn timed(
     driver.send(req, t0, &mut rec);
     in_flight.leave();
     rec.e2e_s = t0.elapsed().as_secs_f64();
+    if let Some(e) = crate::truth::judge(req.output_tokens, &rec, driver.exact_output()) {
+        rec.error = Some(e);
+    }
     rec
 }
 
@@ -431,6 +445,52 @@ pub fn open_loop(
     run
 }
 
+/// Sessions on a schedule: each `(at_s, calls)` starts `at_s` seconds
+/// into the probe on its own thread and sends its calls one after another
+/// (a call waits for the previous answer, as an agent does). A session that
+/// starts over `late_after_s` behind its schedule is late.
+pub fn open_schedule(
+    driver: &Arc<dyn Driver>,
+    sessions: Vec<(f64, Vec<(String, LoadRequest)>)>,
+    late_after_s: f64,
+) -> ProbeRun {
+    let in_flight = Arc::new(InFlight::default());
+    let cpu_before = client_cpu(&**driver);
+    let n = sessions.len();
+    let start = Instant::now();
+    let monitor = Monitor::start(driver, &in_flight, start);
+    let (mut late, mut threads) = (0u32, vec![]);
+    for (i, (at_s, calls)) in sessions.into_iter().enumerate() {
+        let now_s = start.elapsed().as_secs_f64();
+        if at_s > now_s {
+            std::thread::sleep(Duration::from_secs_f64(at_s - now_s));
+        } else if now_s - at_s > late_after_s {
+            late += 1;
+        }
+        let (d, in_flight) = (driver.clone(), in_flight.clone());
+        threads.push(std::thread::spawn(move || {
+            calls
+                .into_iter()
+                .map(|(class, req)| {
+                    let mut r = timed(&*d, &req, i as u32, start, &in_flight);
+                    r.class = Some(class);
+                    r.run = i as u32;
+                    r
+                })
+                .collect::<Vec<_>>()
+        }));
+    }
+    let records = threads
+        .into_iter()
+        .filter_map(|t| t.join().ok())
+        .flatten()
+        .collect();
+    let mut run = finish(records, start, &in_flight, cpu_before);
+    run.late_fraction = late as f64 / n.max(1) as f64;
+    monitor.finish(&**driver, &mut run);
+    run
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -473,6 +533,7 @@ mod tests {
         }
         fn send(&self, req: &LoadRequest, _t0: Instant, rec: &mut RequestRecord) {
             rec.output_tokens = req.output_tokens;
+            rec.finish_reason = Some("length".into());
             self.seen.lock().unwrap().push(req.clone());
         }
         fn snapshot(&self) -> Snapshot {

@@ -194,6 +194,179 @@ pub fn config_svg(c: &ConfigResult, slo: &Slo) -> Result<String, String> {
     Ok(svg)
 }
 
+/// The saturation curve of a configuration's workload search: goodput
+/// (requests within the SLOs per second) against the scale, with the safe
+/// scale, the knee and the collapse marked, and each class's e2e p95; the
+/// recovery time in the title.
+pub fn workload_svg(c: &ConfigResult, slo: &Slo) -> Result<Option<String>, String> {
+    let Some(w) = &c.workload else {
+        return Ok(None);
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1000, 400)).into_drawing_area();
+        let err = |e: DrawingAreaErrorKind<std::io::Error>| e.to_string();
+        root.fill(&WHITE).map_err(err)?;
+        let recovery = match &w.recovery {
+            Some(r) => match r.recovery_s {
+                Some(t) => format!(
+                    "; from scale {:.2} back to {:.2}, SLOs held again after {t:.1} s",
+                    r.from_scale, r.to_scale
+                ),
+                None => format!(
+                    "; from scale {:.2} back to {:.2}: not recovered within {:.0} s",
+                    r.from_scale, r.to_scale, r.window_s
+                ),
+            },
+            None => String::new(),
+        };
+        let root = root
+            .titled(
+                &format!(
+                    "{} workload `{}`: dashed = safe, triangle = knee, cross = collapse{recovery}",
+                    c.name, w.name
+                ),
+                ("sans-serif", 15),
+            )
+            .map_err(err)?;
+        let panels = root.split_evenly((1, 2));
+        let x_max = w.probes.iter().map(|p| p.scale).fold(1.0, f64::max) * 1.1;
+        let blue = COLORS[0];
+        let good: Vec<(f64, f64, bool)> = w
+            .probes
+            .iter()
+            .map(|p| {
+                (
+                    p.scale,
+                    p.summary.goodput_req_per_s,
+                    p.summary.breaches.is_empty(),
+                )
+            })
+            .collect();
+        let y_max = good.iter().map(|g| g.1).fold(1e-9, f64::max) * 1.15;
+        let mut chart = ChartBuilder::on(&panels[0])
+            .caption("goodput", ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("scale (x the workload's rates)")
+            .y_desc("requests within SLOs / s")
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(LineSeries::new(
+                good.iter().map(|g| (g.0, g.1)),
+                blue.stroke_width(2),
+            ))
+            .map_err(err)?;
+        chart
+            .draw_series(good.iter().map(|&(x, y, ok)| {
+                Circle::new(
+                    (x, y),
+                    3,
+                    if ok {
+                        blue.filled()
+                    } else {
+                        blue.stroke_width(1)
+                    },
+                )
+            }))
+            .map_err(err)?;
+        if w.safe_scale > 0.0 {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    vec![(w.safe_scale, 0.0), (w.safe_scale, y_max)],
+                    6,
+                    4,
+                    blue.stroke_width(1),
+                ))
+                .map_err(err)?;
+        }
+        let at = |s: f64| good.iter().find(|g| g.0 == s).map(|g| (g.0, g.1));
+        if let Some(p) = w.knee_scale.and_then(at) {
+            chart
+                .draw_series(std::iter::once(TriangleMarker::new(
+                    p,
+                    7,
+                    COLORS[2].filled(),
+                )))
+                .map_err(err)?;
+        }
+        if let Some(p) = w.collapse_scale.and_then(at) {
+            chart
+                .draw_series(std::iter::once(Cross::new(p, 7, COLORS[3].stroke_width(2))))
+                .map_err(err)?;
+        }
+        // Each class's e2e p95, with the e2e SLO.
+        let classes: Vec<&String> = w
+            .probes
+            .first()
+            .map(|p| p.classes.keys().collect())
+            .unwrap_or_default();
+        let e2e = |p: &envelope_profile::WorkloadProbe, k: &str| {
+            p.classes.get(k).map_or(0.0, |c| c.e2e_ms.p95)
+        };
+        let y_max = w
+            .probes
+            .iter()
+            .flat_map(|p| classes.iter().map(move |k| e2e(p, k)))
+            .fold(slo.e2e_p99_ms.unwrap_or(1e-9), f64::max)
+            * 1.15;
+        let mut chart = ChartBuilder::on(&panels[1])
+            .caption("e2e p95 per class", ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0.0..x_max, 0.0..y_max)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("scale")
+            .y_desc("ms")
+            .draw()
+            .map_err(err)?;
+        if let Some(limit) = slo.e2e_p99_ms {
+            chart
+                .draw_series(DashedLineSeries::new(
+                    vec![(0.0, limit), (x_max, limit)],
+                    3,
+                    3,
+                    RGBColor(200, 0, 0).stroke_width(1),
+                ))
+                .map_err(err)?;
+        }
+        for (i, k) in classes.iter().enumerate() {
+            let color = COLORS[(i + 1) % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(
+                    w.probes.iter().map(|p| (p.scale, e2e(p, k))),
+                    color.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(k.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(Some(svg))
+}
+
+/// The file name of a configuration's workload plot.
+pub fn workload_file_name(c: &ConfigResult) -> String {
+    file_name(c).replace(".svg", "-workload.svg")
+}
+
 /// The file name of a configuration's plot.
 pub fn file_name(c: &ConfigResult) -> String {
     let safe: String = c
@@ -248,6 +421,7 @@ mod tests {
             },
             client_cpu_fraction: None,
             valid: true,
+            error_reasons: Default::default(),
         }
     }
 
@@ -281,6 +455,9 @@ mod tests {
             backend: None,
             buckets: vec![bucket(32), bucket(64)],
             error: None,
+            server_checks: None,
+            time_to_ready_s: None,
+            workload: None,
         };
         let slo = Slo {
             itl_p95_ms: Some(40.0),

@@ -2,6 +2,7 @@
 //! from the profile alone (so they can be regenerated from a committed one).
 
 use envelope_profile::{ConfigResult, Profile};
+use std::collections::BTreeMap;
 
 fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
     c.buckets
@@ -145,11 +146,134 @@ pub fn markdown(p: &Profile) -> String {
             m.source.as_deref().unwrap_or("-")
         );
     }
+    s += &workload_section(p);
+    s += &server_section(p);
     s += "\n## Plots\n\n";
     for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
         s += &format!("![{}]({})\n\n", c.name, crate::plots::file_name(c));
     }
     s += "Raw data: `probes.csv` (one row per probe), `requests.csv` (one row per request), `telemetry.csv` (KV use, memory and requests in flight every 100 ms of each probe), `profile.json`.\n";
+    s
+}
+
+/// Agent-shaped load (`load.workload`): the safe scale per configuration
+/// and every probe's per-class latencies.
+fn workload_section(p: &Profile) -> String {
+    let mut s = String::new();
+    for c in &p.configs {
+        let Some(w) = &c.workload else { continue };
+        s += &format!(
+            "\n## Workload `{}` on `{}` ({} arrivals)\n\nSafe scale **{:.2}** x the workload's rates (feasible {:.2}, binding `{}`). {}\n\n![saturation]({})\n\n| scale | requests | errors | goodput req/s | class | runs | calls | mean input | TTFT p95 ms | e2e p95 ms | run e2e p95 ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            w.name,
+            c.name,
+            w.arrival,
+            w.safe_scale,
+            w.feasible_scale,
+            w.binding_constraint.as_str(),
+            saturation_line(w),
+            crate::plots::workload_file_name(c)
+        );
+        for probe in &w.probes {
+            let sm = &probe.summary;
+            for (i, (class, cs)) in probe.classes.iter().enumerate() {
+                let head = if i == 0 {
+                    let mark = if sm.breaches.is_empty() {
+                        ""
+                    } else {
+                        " (breach)"
+                    };
+                    format!(
+                        "{:.2}{mark} | {} | {} | {:.2}",
+                        probe.scale, sm.requests, sm.errors, sm.goodput_req_per_s
+                    )
+                } else {
+                    " | | |".into()
+                };
+                s += &format!(
+                    "| {head} | {class} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} |\n",
+                    cs.runs,
+                    cs.requests,
+                    cs.input_tokens_mean,
+                    cs.ttft_ms.p95,
+                    cs.e2e_ms.p95,
+                    cs.run_e2e_ms.p95
+                );
+            }
+        }
+    }
+    s
+}
+
+/// Knee, collapse and recovery in words.
+fn saturation_line(w: &envelope_profile::WorkloadResult) -> String {
+    let f = |v: Option<f64>| v.map_or("not reached".into(), |v| format!("{v:.2}"));
+    let mut s = format!(
+        "Saturation: knee at scale {}, collapse (goodput under its peak's fraction) at {}",
+        f(w.knee_scale),
+        f(w.collapse_scale)
+    );
+    if let Some(r) = &w.recovery {
+        s += &format!(
+            "; after {:.0} s at scale {:.2}, back at {:.2}: {} ({} of {} requests after the switch missed the SLOs)",
+            r.overload_s,
+            r.from_scale,
+            r.to_scale,
+            r.recovery_s.map_or(format!("not recovered within {:.0} s", r.window_s), |t| format!("SLOs held again after {t:.1} s")),
+            r.missed_after,
+            r.requests_after
+        );
+    }
+    s + "."
+}
+
+/// The servers as the harness found them (http and launch targets): their
+/// cold start, whether they honour `ignore_eos` and token-id prompts, and
+/// the failed requests by reason.
+fn server_section(p: &Profile) -> String {
+    let servers: Vec<&ConfigResult> = p
+        .configs
+        .iter()
+        .filter(|c| c.server_checks.is_some() || c.time_to_ready_s.is_some())
+        .collect();
+    let mut failed: BTreeMap<&str, u64> = BTreeMap::new();
+    for c in &p.configs {
+        for (r, n) in c
+            .buckets
+            .iter()
+            .flat_map(|b| &b.probes)
+            .flat_map(|p| &p.error_reasons)
+        {
+            *failed.entry(r.as_str()).or_insert(0) += n;
+        }
+    }
+    let mut s = String::new();
+    if !servers.is_empty() {
+        s += "\n## Servers\n\n| config | time to ready (s) | ignore_eos honoured | token-id prompts | notes |\n|---|---|---|---|---|\n";
+        for c in servers {
+            let ch = c.server_checks.as_ref();
+            s += &format!(
+                "| {} | {} | {} | {} | {} |\n",
+                c.name,
+                c.time_to_ready_s.map_or("-".into(), |t| format!("{t:.1}")),
+                ch.map_or("-", |c| if c.ignore_eos { "yes" } else { "**no**" }),
+                ch.map_or("-", |c| if c.token_prompts {
+                    "yes"
+                } else {
+                    "**no** (text)"
+                }),
+                ch.map_or(String::new(), |c| c.notes.join("; "))
+            );
+        }
+    }
+    if !failed.is_empty() {
+        s += "\nFailed requests by reason (a request succeeds only when the whole asked output arrived with a finish reason): ";
+        s += &failed
+            .iter()
+            .map(|(r, n)| format!("`{r}` {n}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        s += ".\n";
+    }
     s
 }
 
@@ -231,6 +355,9 @@ pub fn write_all(p: &Profile, dir: &std::path::Path) -> std::io::Result<()> {
     for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
         let svg = crate::plots::config_svg(c, &p.slo).map_err(std::io::Error::other)?;
         std::fs::write(dir.join(crate::plots::file_name(c)), svg)?;
+        if let Some(svg) = crate::plots::workload_svg(c, &p.slo).map_err(std::io::Error::other)? {
+            std::fs::write(dir.join(crate::plots::workload_file_name(c)), svg)?;
+        }
     }
     Ok(())
 }

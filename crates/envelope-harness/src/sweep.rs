@@ -2,11 +2,13 @@
 //! concurrency (closed loop) or arrival rate (Poisson); an OOM, a crash or a
 //! failed load is recorded and the sweep goes on.
 
+use crate::agents::{self, AgentLoad};
 use crate::config::{BenchConfig, Bucket, EnginePoint, LoadConfig, MatrixPoint, Target};
 use crate::driver::{EngineDriver, HttpDriver, HttpSettings, PromptFormat};
-use crate::launch::{free_port, render, LaunchedServer};
+use crate::launch::{command_vars, free_port, render, LaunchedServer};
 use crate::load::{closed_loop, open_loop, Driver, ProbeRun};
 use crate::stats::percentiles;
+use crate::truth::check_server;
 use envelope_engine::{
     Engine, EngineConfig, EngineHandle, KvBudget, LoadOptions, Placement, Precision,
     SchedulerConfig,
@@ -14,10 +16,9 @@ use envelope_engine::{
 use envelope_profile::capacity::with_headroom;
 use envelope_profile::{
     Bracket, BucketResult, ConfigResult, Constraint, Limits, MemoryReport, ProbeSummary, Profile,
-    Slo, Step, PROFILE_SCHEMA,
+    Recovery, ServerChecks, Slo, Step, WorkloadProbe, WorkloadResult, PROFILE_SCHEMA,
 };
 use serde::Serialize;
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +41,13 @@ pub struct RequestRow {
     pub input_tokens: u32,
     pub output_tokens: u32,
     pub preemptions: u32,
+    /// Agent-shaped load: the task class and run (session) of the call.
+    pub class: String,
+    pub run: u32,
+    pub finish_reason: String,
+    /// Why the request failed (`short_output`, `stream_cut`, `http_429`,
+    /// ...; see `envelope_harness::truth`); empty for a whole answer.
+    pub error_reason: String,
     pub error: String,
 }
 
@@ -150,6 +158,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
             < (0.25 * percentiles(&e2e).p50).max(load.max_client_gap_ms) / 1e3
             && run.late_fraction <= load.max_late_fraction
             && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
+        error_reasons: crate::truth::reasons(&run.records),
     };
     s.breaches = breaches(&s, slo);
     s
@@ -214,6 +223,9 @@ pub enum SweepEvent<'a> {
     Probing(&'a str),
     /// A probe ended.
     Probed(&'a ProbeRow),
+    /// Something the user should know about a configuration's server
+    /// (it ignores `ignore_eos`, refuses token-id prompts, ...).
+    Note(&'a str),
 }
 
 /// A configuration's server, ready for load.
@@ -222,6 +234,8 @@ struct Session {
     engine: Option<EngineHandle>,
     server: Option<LaunchedServer>,
     memory: MemoryReport,
+    /// http and launch targets: what one request alone showed of the server.
+    checks: Option<ServerChecks>,
 }
 
 impl Session {
@@ -325,6 +339,7 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
         engine: Some(engine),
         server: None,
         memory,
+        checks: None,
     })
 }
 
@@ -389,19 +404,7 @@ fn open_launch(
 ) -> Result<Session, String> {
     let (command, base_url, ready_path, ready_timeout_s) = t;
     let port = free_port().map_err(|e| format!("no free port: {e}"))?;
-    let mut vars = BTreeMap::new();
-    vars.insert("model", cfg.model.clone());
-    vars.insert("precision", point.precision.clone());
-    vars.insert("kv_dtype", point.kv_dtype.clone());
-    vars.insert("batch_policy", point.policy.clone());
-    vars.insert("max_num_seqs", cfg.max_num_seqs.to_string());
-    vars.insert(
-        "max_num_batched_tokens",
-        cfg.max_num_batched_tokens.to_string(),
-    );
-    vars.insert("kv_cache_bytes", cfg.kv_cache_bytes.to_string());
-    vars.insert("block_size", cfg.block_size.to_string());
-    vars.insert("port", port.to_string());
+    let vars = command_vars(cfg, point, port)?;
     let base_url = render(base_url, &vars)?;
     let command = render(command, &vars)?;
     let gpu_before = envelope_telemetry::Nvml::init()
@@ -409,7 +412,7 @@ fn open_launch(
         .filter(|n| n.device_count() > 0)
         .and_then(|n| n.sample(0, None).memory_used_bytes);
     let log = log_dir.join(format!("{}.{attempt}.log", point.name()));
-    let server = LaunchedServer::start(
+    let mut server = LaunchedServer::start(
         &command,
         &base_url,
         ready_path,
@@ -420,11 +423,19 @@ fn open_launch(
     driver.pid = Some(server.pid());
     let mut memory = memory_at_rest(Some(server.pid()), gpu_before);
     memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+    let checks = match check_server(&mut driver) {
+        Ok(c) => c,
+        Err(e) => {
+            server.stop(Duration::from_secs(5));
+            return Err(format!("server check failed: {e}"));
+        }
+    };
     Ok(Session {
         driver: Arc::new(driver),
         engine: None,
         memory,
         server: Some(server),
+        checks: Some(checks),
     })
 }
 
@@ -440,14 +451,17 @@ fn open(
             None => Err("the engine target needs engine settings".into()),
         },
         Target::Http { base_url } => {
-            let driver = http_driver(cfg, base_url)?;
+            let mut driver = http_driver(cfg, base_url)?;
             let mut memory = memory_at_rest(None, None);
             memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+            let checks =
+                check_server(&mut driver).map_err(|e| format!("server check failed: {e}"))?;
             Ok(Session {
                 driver: Arc::new(driver),
                 engine: None,
                 server: None,
                 memory,
+                checks: Some(checks),
             })
         }
         Target::Launch {
@@ -455,6 +469,7 @@ fn open(
             base_url,
             ready_path,
             ready_timeout_s,
+            ..
         } => open_launch(
             cfg,
             point,
@@ -494,6 +509,9 @@ fn run_point(
         backend: None,
         buckets: vec![],
         error: None,
+        server_checks: None,
+        time_to_ready_s: None,
+        workload: None,
     };
     let mut attempt = 0;
     let mut session = match open(cfg, point, ctx.log_dir, attempt) {
@@ -505,6 +523,14 @@ fn run_point(
     };
     result.memory = session.memory.clone();
     result.backend = session.engine.as_ref().map(|e| e.info.backend.clone());
+    result.server_checks = session.checks.clone();
+    result.time_to_ready_s = session
+        .server
+        .as_ref()
+        .map(|s| s.time_to_ready.as_secs_f64());
+    for note in session.checks.iter().flat_map(|c| &c.notes) {
+        progress(SweepEvent::Note(&format!("{name}: {note}")));
+    }
     let open_loop_mode = cfg.load.is_open_loop();
     let (lo, hi) = if open_loop_mode {
         let step = cfg.load.rate_step_per_s;
@@ -605,8 +631,150 @@ fn run_point(
             break 'buckets;
         }
     }
+    if let (Some(a), None) = (&cfg.agents, &result.error) {
+        result.workload = Some(search_workload(ctx, &mut session, a, &name, progress));
+    }
     session.close();
     result
+}
+
+/// The largest scale of `load.workload` that meets every SLO, on the
+/// configuration's open session: exponential steps to the first breach,
+/// then bisection, as for a bucket; every request of a probe is judged
+/// together, and per-class latencies are kept.
+fn search_workload(
+    ctx: &mut Ctx,
+    session: &mut Session,
+    a: &AgentLoad,
+    name: &str,
+    progress: &mut dyn FnMut(SweepEvent),
+) -> WorkloadResult {
+    let cfg = ctx.cfg;
+    let label = format!("workload:{}", a.workload.name);
+    let (lo, hi) = a.ladder();
+    let mut bracket = Bracket::new(lo, hi);
+    let mut probes: Vec<(u32, WorkloadProbe)> = vec![];
+    let late_s = cfg.load.late_after_ms / 1e3;
+    let mut probe = |ctx: &mut Ctx, session: &mut Session, k: u32| {
+        let scale = k as f64 * a.scale_step;
+        progress(SweepEvent::Probing(&format!(
+            "{name} {label}: probing scale {scale:.2}"
+        )));
+        let runs = agents::plan_runs(
+            a,
+            scale,
+            session.driver.vocab_size(),
+            ctx.probes_total as u64,
+        );
+        let run = agents::run_probe(&session.driver, a, runs, late_s);
+        let mut s = summarise(&run, run.max_in_flight, &cfg.slo, &cfg.load);
+        if let Some(c) = session.died() {
+            s.breaches.insert(0, c);
+        }
+        let probe_id = ctx.probes_total;
+        ctx.probes_total += 1;
+        push_rows(ctx, name, &label, probe_id, k, &run, &s);
+        progress(SweepEvent::Probed(ctx.probes.last().expect("just pushed")));
+        let classes = agents::class_summaries(a, &run);
+        WorkloadProbe {
+            scale,
+            summary: s,
+            classes,
+        }
+    };
+    while let Step::Probe(k) = bracket.next() {
+        let p = probe(ctx, session, k);
+        bracket.record(k, p.summary.breaches.is_empty());
+        probes.push((k, p));
+    }
+    // Past the breach, to the collapse: goodput under a fraction of its peak.
+    let peak = |probes: &[(u32, WorkloadProbe)]| {
+        probes
+            .iter()
+            .map(|(_, p)| p.summary.goodput_req_per_s)
+            .fold(0.0, f64::max)
+    };
+    let mut collapse = None;
+    if let Some(mut k) = bracket.infeasible {
+        for _ in 0..a.collapse_probes {
+            let at = probes
+                .iter()
+                .find(|(j, _)| *j == k)
+                .map(|(_, p)| p.summary.goodput_req_per_s);
+            if at.is_some_and(|g| g < a.collapse_fraction * peak(&probes)) {
+                collapse = Some(k);
+                break;
+            }
+            k *= 2;
+            let p = probe(ctx, session, k);
+            probes.push((k, p));
+        }
+        let last = probes
+            .iter()
+            .find(|(j, _)| *j == k)
+            .map(|(_, p)| p.summary.goodput_req_per_s);
+        if collapse.is_none() && last.is_some_and(|g| g < a.collapse_fraction * peak(&probes)) {
+            collapse = Some(k);
+        }
+    }
+    // Recovery: from the collapse (or the highest probe) straight to the
+    // safe scale.
+    let safe = bracket.feasible.map_or(0.0, |k| k as f64 * a.scale_step) * (1.0 - cfg.slo.headroom);
+    let recovery = match (bracket.infeasible, a.collapse_probes) {
+        (Some(_), n) if n > 0 && safe > 0.0 => {
+            let from_k =
+                collapse.unwrap_or_else(|| probes.iter().map(|(k, _)| *k).max().unwrap_or(hi));
+            let from = from_k as f64 * a.scale_step;
+            progress(SweepEvent::Probing(&format!(
+                "{name} {label}: recovery from scale {from:.2} to {safe:.2}"
+            )));
+            let (run, switch_s) = agents::overload_then(
+                &session.driver,
+                a,
+                from,
+                safe,
+                ctx.probes_total as u64,
+                late_s,
+            );
+            let (recovery_s, requests_after, missed_after) =
+                agents::recovery(&run, switch_s, &cfg.slo);
+            Some(Recovery {
+                from_scale: from,
+                to_scale: safe,
+                overload_s: switch_s,
+                window_s: a.recovery_s,
+                recovery_s,
+                requests_after,
+                missed_after,
+            })
+        }
+        _ => None,
+    };
+    let binding = match bracket.infeasible {
+        Some(i) => probes
+            .iter()
+            .find(|(k, _)| *k == i)
+            .and_then(|(_, p)| p.summary.breaches.first().copied())
+            .unwrap_or(Constraint::Errors),
+        None => Constraint::SearchCap,
+    };
+    let feasible = bracket.feasible.map_or(0.0, |k| k as f64 * a.scale_step);
+    probes.sort_by_key(|(k, _)| *k);
+    let curve: Vec<(f64, f64)> = probes
+        .iter()
+        .map(|(_, p)| (p.scale, p.summary.goodput_req_per_s))
+        .collect();
+    WorkloadResult {
+        name: a.workload.name.clone(),
+        arrival: a.arrival.label().into(),
+        feasible_scale: feasible,
+        safe_scale: safe,
+        binding_constraint: binding,
+        knee_scale: agents::knee(&curve),
+        collapse_scale: collapse.map(|k| k as f64 * a.scale_step),
+        recovery,
+        probes: probes.into_iter().map(|(_, p)| p).collect(),
+    }
 }
 
 fn bucket_result(
@@ -693,6 +861,15 @@ fn push_rows(
             input_tokens: r.input_tokens,
             output_tokens: r.output_tokens,
             preemptions: r.preemptions,
+            class: r.class.clone().unwrap_or_default(),
+            run: r.run,
+            finish_reason: r.finish_reason.clone().unwrap_or_default(),
+            error_reason: r
+                .error
+                .as_deref()
+                .map(crate::truth::reason_of)
+                .unwrap_or_default()
+                .to_string(),
             error: r.error.clone().unwrap_or_default(),
         });
     }

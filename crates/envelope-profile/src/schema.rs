@@ -10,6 +10,7 @@
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 pub const PROFILE_SCHEMA: &str = "envelope.profile/v2";
 /// The previous version, still read (see [`Profile::from_json`]).
@@ -125,6 +126,10 @@ pub struct ProbeSummary {
     pub client_cpu_fraction: Option<f64>,
     /// False when the load generator could not keep up.
     pub valid: bool,
+    /// Failed requests by reason (`short_output`, `no_finish_reason`,
+    /// `stream_cut`, `http_429`, ...).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub error_reasons: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
@@ -194,6 +199,112 @@ pub struct ConfigResult {
     pub buckets: Vec<BucketResult>,
     /// Set when the configuration failed (OOM, crash): a data point, not the end.
     pub error: Option<String>,
+    /// What the harness found out about a server (http and launch targets)
+    /// before it loaded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_checks: Option<ServerChecks>,
+    /// Launch targets: seconds from the launch command to the server's first
+    /// 2xx on its ready path (its cold start).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_to_ready_s: Option<f64>,
+    /// `load.workload`: the workload's safe scale, searched with agent-shaped
+    /// load (sessions of calls per task class).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<WorkloadResult>,
+}
+
+/// The search over a workload's scale: 1.0 is the workload's mean run rates,
+/// 2.0 twice them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadResult {
+    pub name: String,
+    /// `poisson`, `bursts` or `ramp`.
+    pub arrival: String,
+    /// The largest scale that met every SLO (0: none did).
+    pub feasible_scale: f64,
+    /// `feasible_scale` less `slo.headroom`.
+    pub safe_scale: f64,
+    pub binding_constraint: Constraint,
+    /// The saturation curve (goodput against scale): the last scale before
+    /// goodput grows at under half its initial rate per unit of scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub knee_scale: Option<f64>,
+    /// The first scale past the breach whose goodput fell below
+    /// `load.collapse_fraction` of the peak (None: not reached within
+    /// `load.collapse_probes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collapse_scale: Option<f64>,
+    /// Load at the collapse (or the highest probed) scale, then straight
+    /// back to the safe scale: how long until the SLOs hold again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<Recovery>,
+    /// Every probe, by scale (the search's and the collapse steps').
+    pub probes: Vec<WorkloadProbe>,
+}
+
+/// Overload, then the safe scale without a pause between them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Recovery {
+    pub from_scale: f64,
+    pub to_scale: f64,
+    /// Seconds at each.
+    pub overload_s: f64,
+    pub window_s: f64,
+    /// Seconds from the switch to the first request after which every
+    /// request met the SLOs (TTFT, e2e, no error); None: they did not hold
+    /// again within the window.
+    pub recovery_s: Option<f64>,
+    /// Requests started after the switch, and those that missed the SLOs.
+    pub requests_after: u64,
+    pub missed_after: u64,
+}
+
+/// One probe of a workload at a scale.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadProbe {
+    pub scale: f64,
+    /// Every request of the probe together (what the SLOs judge).
+    pub summary: ProbeSummary,
+    /// Per task class.
+    pub classes: BTreeMap<String, ClassSummary>,
+}
+
+/// One task class's requests and runs within a probe.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ClassSummary {
+    /// Runs (sessions of calls) that started.
+    pub runs: u64,
+    pub requests: u64,
+    pub errors: u64,
+    pub input_tokens_mean: f64,
+    pub ttft_ms: Percentiles,
+    pub itl_ms: Percentiles,
+    pub e2e_ms: Percentiles,
+    /// A whole run, first call sent to last call answered.
+    pub run_e2e_ms: Percentiles,
+}
+
+/// Whether a server honours what the load relies on, tried with one request
+/// before the sweep.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServerChecks {
+    /// Asked `ignore_eos`, the server returned the asked output length.
+    /// False: it stopped early with `finish_reason: stop`, so the sweep
+    /// measured the lengths the server chose (an answer that stops with a
+    /// finish reason counts as complete) and its figures are for outputs
+    /// shorter than the buckets name.
+    pub ignore_eos: bool,
+    /// Prompts sent as token ids were taken at their length. False: the
+    /// server refused them, and prompts went as text of one word per token
+    /// (lengths approximate).
+    pub token_prompts: bool,
+    /// What was seen, in words.
+    pub notes: Vec<String>,
 }
 
 /// What the governor enforces.
@@ -516,6 +627,9 @@ mod tests {
             backend: None,
             buckets,
             error: None,
+            server_checks: None,
+            time_to_ready_s: None,
+            workload: None,
         }
     }
 

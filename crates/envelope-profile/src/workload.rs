@@ -114,6 +114,16 @@ pub struct TaskClass {
     /// Other dependencies per run (vector queries, tool writes, ...).
     #[serde(default)]
     pub dependencies_per_run: BTreeMap<String, f64>,
+    /// Agent-shaped load (`envelope sweep` with `load.workload`): tokens of
+    /// the system prompt every call of this class starts with (shared
+    /// across runs, so a server's prefix cache can hold it). Counted within
+    /// the first call's input.
+    #[serde(default)]
+    pub system_prompt_tokens: u32,
+    /// Agent-shaped load: tokens of tool results added between calls; each
+    /// call's prompt is the previous call's prompt, its output and these.
+    #[serde(default)]
+    pub tool_result_tokens: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -74,6 +74,9 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
             },
             buckets: vec![bucket(64, 32), bucket(128, 64)],
             error: None,
+            server_checks: None,
+            time_to_ready_s: None,
+            workload: None,
         }],
         selected: format!("{precision}-f32-continuous"),
         limits: Limits {

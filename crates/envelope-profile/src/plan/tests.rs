@@ -169,6 +169,9 @@ fn profile() -> Profile {
                 ),
             ],
             error: None,
+            server_checks: None,
+            time_to_ready_s: None,
+            workload: None,
         }],
         selected: "c".into(),
         limits: Limits {
