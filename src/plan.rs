@@ -22,6 +22,31 @@ pub struct PlanArgs {
     /// Print the plan as JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Check the plan by replay: send the workload, at one replica's share
+    /// of the scenario's arrivals, to --target (a server like the profiled
+    /// one) and compare each constraint's predicted utilisation with the
+    /// measured one; exit 1 when the plan was optimistic beyond
+    /// --tolerance or the share broke an SLO.
+    #[arg(long, requires = "target")]
+    pub validate: bool,
+    /// --validate: the server's base URL (loopback or a host you own).
+    #[arg(long)]
+    pub target: Option<String>,
+    /// --validate: the model name sent in requests.
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// --validate: `base` (mean arrivals) or `planned_peak` (p95 arrivals).
+    #[arg(long, default_value = "base")]
+    pub scenario: String,
+    /// --validate: seconds of arrivals.
+    #[arg(long, default_value_t = 30.0)]
+    pub seconds: f64,
+    /// --validate: allowed excess of measured over predicted utilisation.
+    #[arg(long, default_value_t = 0.15)]
+    pub tolerance: f64,
+    /// --validate: synthetic token ids stay below this.
+    #[arg(long, default_value_t = 32000)]
+    pub vocab_size: usize,
 }
 
 pub fn run(args: &PlanArgs) -> Result<()> {
@@ -35,10 +60,76 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let profile = Profile::from_json(&ptext, &ppath)?;
     let plan = envelope_profile::plan::plan(&workload, &profile, args.config.as_deref())
         .with_context(|| format!("planning {wpath} on {ppath}"))?;
+    if args.validate {
+        return validate(args, &workload, &profile, &plan);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {
         print!("{}", render(&plan, &wpath, &ppath));
+    }
+    Ok(())
+}
+
+fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan) -> Result<()> {
+    let target = args.target.clone().unwrap_or_default();
+    if !(args.seconds > 0.0 && args.tolerance >= 0.0) {
+        anyhow::bail!("--seconds must be > 0 and --tolerance >= 0");
+    }
+    let settings = envelope_harness::replay::ReplaySettings {
+        base_url: target.clone(),
+        model: args.model.clone(),
+        vocab_size: args.vocab_size,
+        scenario: args.scenario.clone(),
+        seconds: args.seconds,
+        tolerance: args.tolerance,
+        seed: 1,
+    };
+    let v = envelope_harness::replay::validate(workload, plan, &profile.slo, &settings)
+        .map_err(|e| anyhow::anyhow!("--validate against {target}: {e}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "replayed `{}` at one replica's share of `{}` ({} replicas planned) for {:.0} s against {target}: {} requests, {} errors",
+            plan.workload, v.scenario, v.replicas, v.seconds, v.summary.requests, v.summary.errors
+        );
+        println!("| constraint | unit | demand planned | demand measured | utilisation planned | utilisation measured | verdict |");
+        println!("|---|---|---|---|---|---|---|");
+        for c in &v.checks {
+            println!(
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {} |",
+                c.constraint,
+                c.unit,
+                f(c.demand_predicted),
+                f(c.demand_measured),
+                c.utilisation_predicted,
+                c.utilisation_measured,
+                if c.optimistic { "OPTIMISTIC" } else { "ok" }
+            );
+        }
+        println!(
+            "SLOs at the planned share: {} (TTFT p95 {:.0} ms, e2e p99 {:.0} ms)",
+            if v.slo_breaches.is_empty() {
+                "held".to_string()
+            } else {
+                format!("broken: {}", v.slo_breaches.join(", "))
+            },
+            v.summary.ttft_ms.p95,
+            v.summary.e2e_ms.p99
+        );
+        println!(
+            "plan {} (tolerance {:.0}%)",
+            if v.optimistic {
+                "OPTIMISTIC"
+            } else {
+                "confirmed"
+            },
+            v.tolerance * 100.0
+        );
+    }
+    if v.optimistic {
+        std::process::exit(1);
     }
     Ok(())
 }

@@ -2,6 +2,8 @@
 //! workloads (issue #6): the table carries the demand arithmetic, the
 //! supply read from the profile, and the replicas per scenario.
 
+mod common;
+
 use std::process::{Command, Output};
 
 const PROFILE: &str = concat!(
@@ -103,4 +105,105 @@ fn plan_errors_name_the_file_and_field() {
         "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Plans checked by replay (issue #15): a profile of SmolLM2 swept here
+/// through the http target of `envelope serve` (so supply and replay are
+/// the same machine's), the quickstart workload planned on it and replayed
+/// at one replica's share: confirmed. The same workload claiming that its
+/// requests take 50 ms: the plan's slots are optimistic, and --validate
+/// exits 1.
+#[test]
+fn plan_validate_confirms_a_measured_plan_and_fails_an_optimistic_one() {
+    let server = common::Server::start(&[
+        "--model",
+        &common::smollm2(),
+        "--served-model-name",
+        "smollm2",
+        "--precision",
+        "q8_0",
+        "--kv-cache-bytes",
+        "64MiB",
+        "--max-num-seqs",
+        "16",
+    ]);
+    let dir = std::env::temp_dir().join(format!("envelope-plan-validate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("bench.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[target]
+kind = "http"
+model = "smollm2"
+base_url = "{}"
+vocab_size = 49152
+[matrix]
+buckets = ["64x32", "128x64"]
+concurrency_max = 8
+[load]
+rounds = 1
+min_requests = 4
+max_client_gap_ms = 2000
+[slo]
+ttft_p95_ms = 4000
+itl_p95_ms = 400
+e2e_p99_ms = 15000
+headroom = 0.1
+"#,
+            server.base
+        ),
+    )
+    .unwrap();
+    let out = dir.join("sweep");
+    let s = Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args(["sweep", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&out)
+        .env("ENVELOPE_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(s.status.success(), "{}", String::from_utf8_lossy(&s.stderr));
+    let profile = out.join("profile.json");
+    let validate = |workload: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .arg("plan")
+            .arg("--workload")
+            .arg(workload)
+            .arg("--profile")
+            .arg(&profile)
+            .args(["--validate", "--target", &server.base, "--model", "smollm2"])
+            .args(["--vocab-size", "49152", "--seconds", "15"])
+            .output()
+            .unwrap()
+    };
+    let quickstart = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("bench-configs/workloads/cpu-quickstart.toml");
+    let r = validate(&quickstart);
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert!(
+        r.status.success() && text.contains("plan confirmed"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(text.contains("| concurrency_slots |") && text.contains("| kv_tokens |"));
+
+    let optimistic = dir.join("optimistic.toml");
+    let w = std::fs::read_to_string(&quickstart).unwrap().replace(
+        "[[class]]\n",
+        "[[class]]\ntime_in_system_s_mean = 0.05\ntime_in_system_s_p95 = 0.05\n",
+    );
+    std::fs::write(&optimistic, w).unwrap();
+    let r = validate(&optimistic);
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert_eq!(r.status.code(), Some(1), "{text}");
+    assert!(text.contains("plan OPTIMISTIC"), "{text}");
+    let slots = text
+        .lines()
+        .find(|l| l.starts_with("| concurrency_slots |"))
+        .unwrap();
+    assert!(slots.contains("OPTIMISTIC"), "{slots}");
+    let _ = std::fs::remove_dir_all(dir);
 }

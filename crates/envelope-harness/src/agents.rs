@@ -233,13 +233,21 @@ pub fn plan_runs(a: &AgentLoad, scale: f64, vocab: usize, seed: u64) -> Vec<Plan
             );
             let mut calls = vec![];
             for k in 0..n_calls {
-                if k > 0 {
+                if k > 0 && c.session {
                     // The previous output and the tool results join the context.
                     let prev_out = calls
                         .last()
                         .map_or(0, |c: &PlannedCall| c.request.output_tokens);
                     let grow = prev_out + c.tool_result_tokens;
                     prompt.extend((0..grow).map(|_| 1 + rng.random_range(0..vocab - 1)));
+                } else if k > 0 {
+                    // An independent call: its own input over the system prompt.
+                    let n = tokens(&mut rng, c.input_tokens_p50, c.input_tokens_p95)
+                        .max(c.system_prompt_tokens + 1);
+                    prompt.truncate(system.len());
+                    prompt.extend(
+                        (system.len() as u32..n).map(|_| 1 + rng.random_range(0..vocab - 1)),
+                    );
                 }
                 let out = tokens(&mut rng, c.output_tokens_p50, c.output_tokens_p95);
                 for _ in 0..sends(&mut rng, c) {
@@ -325,7 +333,7 @@ pub fn overload_then(
 const MIN_TAIL: usize = 5;
 
 /// Whether `recs` meet the SLOs as the sweep judges a probe: error rate,
-/// TTFT p95 and e2e p99.
+/// TTFT p95, ITL p95 (over every gap) and e2e p99.
 fn holds(recs: &[&RequestRecord], slo: &Slo) -> bool {
     let ok: Vec<&&RequestRecord> = recs.iter().filter(|r| r.error.is_none()).collect();
     let errors = (recs.len() - ok.len()) as f64 / recs.len().max(1) as f64;
@@ -333,17 +341,38 @@ fn holds(recs: &[&RequestRecord], slo: &Slo) -> bool {
         .iter()
         .filter_map(|r| r.ttft_s.map(|t| t * 1e3))
         .collect();
+    let itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.itl_s.iter().map(|t| t * 1e3))
+        .collect();
     let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_s * 1e3).collect();
     errors <= slo.max_error_rate
         && slo.ttft_p95_ms.is_none_or(|t| percentiles(&ttft).p95 <= t)
+        && slo
+            .itl_p95_ms
+            .is_none_or(|t| itl.is_empty() || percentiles(&itl).p95 <= t)
         && slo.e2e_p99_ms.is_none_or(|t| percentiles(&e2e).p99 <= t)
+}
+
+/// Whether one request alone missed an SLO: failed, or its TTFT, its own
+/// ITL p95 or its e2e over the limit.
+fn missed(r: &RequestRecord, slo: &Slo) -> bool {
+    let itl: Vec<f64> = r.itl_s.iter().map(|t| t * 1e3).collect();
+    r.error.is_some()
+        || slo.e2e_p99_ms.is_some_and(|t| r.e2e_s * 1e3 > t)
+        || slo
+            .ttft_p95_ms
+            .is_some_and(|t| r.ttft_s.is_none_or(|x| x * 1e3 > t))
+        || slo
+            .itl_p95_ms
+            .is_some_and(|t| !itl.is_empty() && percentiles(&itl).p95 > t)
 }
 
 /// After an overload that ended at `switch_s`: the recovery time, from the
 /// switch to the earliest request from which on the requests meet the SLOs
 /// again (judged as a probe is, over at least five requests); with the
-/// requests started after the switch and those among them that missed the
-/// e2e or TTFT SLO alone or failed.
+/// requests started after the switch and those among them that missed an
+/// SLO alone or failed.
 pub fn recovery(run: &ProbeRun, switch_s: f64, slo: &Slo) -> (Option<f64>, u64, u64) {
     let mut after: Vec<&RequestRecord> = run
         .records
@@ -351,16 +380,7 @@ pub fn recovery(run: &ProbeRun, switch_s: f64, slo: &Slo) -> (Option<f64>, u64, 
         .filter(|r| r.start_s >= switch_s)
         .collect();
     after.sort_by(|x, y| x.start_s.total_cmp(&y.start_s));
-    let missed = after
-        .iter()
-        .filter(|r| {
-            r.error.is_some()
-                || slo.e2e_p99_ms.is_some_and(|t| r.e2e_s * 1e3 > t)
-                || slo
-                    .ttft_p95_ms
-                    .is_some_and(|t| r.ttft_s.is_none_or(|x| x * 1e3 > t))
-        })
-        .count() as u64;
+    let missed = after.iter().filter(|r| missed(r, slo)).count() as u64;
     let t = (0..after.len().saturating_sub(MIN_TAIL - 1))
         .find(|&i| holds(&after[i..], slo))
         .map(|i| {
@@ -452,6 +472,7 @@ input_tokens_p95 = 60
 output_tokens_p50 = 10
 output_tokens_p95 = 10
 system_prompt_tokens = 16
+session = true
 tool_result_tokens = {tool}
 
 [[class]]
@@ -501,6 +522,26 @@ output_tokens_p95 = 4
                 );
             }
             assert_eq!(&r.calls[0].request.prompt_tokens[..16], system);
+        }
+        // Without `session`, each call draws its own input over the system
+        // prompt, as `envelope plan` counts calls.
+        let mut flat = a.clone();
+        flat.workload.classes[0].session = false;
+        for r in plan_runs(&flat, 1.0, 1000, 1)
+            .iter()
+            .filter(|r| r.class == 0)
+        {
+            for c in &r.calls {
+                assert_eq!(&c.request.prompt_tokens[..16], system);
+            }
+            let (p0, p1) = (
+                &r.calls[0].request.prompt_tokens,
+                &r.calls[1].request.prompt_tokens,
+            );
+            assert!(
+                !p1.starts_with(p0),
+                "the second call does not extend the first"
+            );
         }
         // The same seed plans the same runs; another seed other runs.
         let again = plan_runs(&a, 1.0, 1000, 1);
@@ -579,6 +620,21 @@ output_tokens_p95 = 4
         // Too few requests to judge.
         run.records.truncate(3);
         assert_eq!(recovery(&run, 10.0, &slo).0, None);
+        // Slow between tokens until 12 s: ITL counts too.
+        let slo = Slo {
+            itl_p95_ms: Some(100.0),
+            ..slo
+        };
+        let gaps = |ms: f64, start_s: f64| RequestRecord {
+            start_s,
+            e2e_s: 0.5,
+            itl_s: vec![ms / 1e3; 4],
+            ..Default::default()
+        };
+        run.records = vec![gaps(400.0, 10.2), gaps(300.0, 11.0)];
+        run.records
+            .extend((0..5).map(|i| gaps(20.0, 12.0 + i as f64)));
+        assert_eq!(recovery(&run, 10.0, &slo), (Some(2.0), 7, 2));
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod launch;
 pub mod load;
 pub mod plots;
 pub mod quality;
+pub mod replay;
 pub mod report;
 pub mod stats;
 pub mod sweep;

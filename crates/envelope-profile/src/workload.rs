@@ -117,11 +117,16 @@ pub struct TaskClass {
     /// Agent-shaped load (`envelope sweep` with `load.workload`): tokens of
     /// the system prompt every call of this class starts with (shared
     /// across runs, so a server's prefix cache can hold it). Counted within
-    /// the first call's input.
+    /// each call's input.
     #[serde(default)]
     pub system_prompt_tokens: u32,
-    /// Agent-shaped load: tokens of tool results added between calls; each
-    /// call's prompt is the previous call's prompt, its output and these.
+    /// Agent-shaped load: the calls of a run share a growing context: each
+    /// prompt is the previous prompt, its output and `tool_result_tokens`,
+    /// and `input_tokens_*` describe a run's first call. Off: each call's
+    /// input is drawn from `input_tokens_*`, as `envelope plan` counts it.
+    #[serde(default)]
+    pub session: bool,
+    /// Agent-shaped load, sessions: tool-result tokens added between calls.
     #[serde(default)]
     pub tool_result_tokens: u32,
 }
