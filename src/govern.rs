@@ -74,13 +74,13 @@ pub struct GovernArgs {
     /// Longest silence inside an upstream response, ms (default 60000).
     #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM_IDLE_TIMEOUT_MS")]
     pub upstream_idle_timeout_ms: Option<u64>,
-    /// The served model's tokenizer.json (exact counts without a round trip).
+    /// The served model's .gguf file or tokenizer.json: exact counts without a round trip to the upstream.
     #[arg(long, env = "ENVELOPE_GOVERN_TOKENIZER")]
     pub tokenizer: Option<PathBuf>,
     /// Token counting without --tokenizer: auto (upstream /tokenize if it answers, else estimate), upstream, estimate.
     #[arg(long, env = "ENVELOPE_GOVERN_TOKEN_COUNT")]
     pub token_count: Option<String>,
-    /// Bytes per token of the conservative estimate (default 3).
+    /// Bytes per token of the estimate (default 1: an upper bound for byte-level tokenizers; above 1, crafted text can be under-counted).
     #[arg(long, env = "ENVELOPE_GOVERN_ESTIMATE_BYTES_PER_TOKEN")]
     pub estimate_bytes_per_token: Option<f64>,
     /// Tenants file (TOML: shares, weights, API keys; see the README).
@@ -128,6 +128,33 @@ pub struct GovernArgs {
     /// Token for /admin/* from other hosts (loopback needs none).
     #[arg(long, env = "ENVELOPE_GOVERN_ADMIN_TOKEN")]
     pub admin_token: Option<String>,
+    /// A client's request headers must arrive within this, ms (default 10000).
+    #[arg(long, env = "ENVELOPE_GOVERN_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Most client connections open at once; more wait to be accepted (default 4096).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// TCP connect to the upstream, ms (default 5000).
+    #[arg(long, env = "ENVELOPE_GOVERN_CONNECT_TIMEOUT_MS")]
+    pub connect_timeout_ms: Option<u64>,
+    /// A request's whole lifetime, queue and answer, ms; a stream still running then ends with an SSE error event (default 900000).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_REQUEST_MS")]
+    pub max_request_ms: Option<u64>,
+    /// GET paths forwarded to the upstream, comma-separated; `prefix*` matches a prefix (default /v1/models,/v1/models/*,/health,/healthz,/ready,/version).
+    #[arg(long, env = "ENVELOPE_GOVERN_PASSTHROUGH_PATHS", value_delimiter = ',')]
+    pub passthrough_paths: Option<Vec<String>>,
+    /// Counting one request's prompt tokens, ms; past it the bound estimate counts (default 2000).
+    #[arg(long, env = "ENVELOPE_GOVERN_COUNT_TIMEOUT_MS")]
+    pub count_timeout_ms: Option<u64>,
+    /// Requests being counted at once; more wait within the count timeout (default 64).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_COUNTING")]
+    pub max_counting: Option<usize>,
+    /// Prompt tokens charged per image part of a chat message (default 2048).
+    #[arg(long, env = "ENVELOPE_GOVERN_IMAGE_PART_TOKENS")]
+    pub image_part_tokens: Option<u64>,
+    /// Prompt tokens charged per audio part of a chat message (default 2048).
+    #[arg(long, env = "ENVELOPE_GOVERN_AUDIO_PART_TOKENS")]
+    pub audio_part_tokens: Option<u64>,
 }
 
 macro_rules! merge {
@@ -180,7 +207,16 @@ impl GovernArgs {
             interactive_ttft_budget_ms,
             batch_ttft_budget_ms,
             over_budget,
-            latency_guard
+            latency_guard,
+            header_read_timeout_ms,
+            max_connections,
+            connect_timeout_ms,
+            max_request_ms,
+            passthrough_paths,
+            count_timeout_ms,
+            max_counting,
+            image_part_tokens,
+            audio_part_tokens
         );
         Ok(self)
     }
@@ -227,8 +263,19 @@ impl GovernArgs {
             batch_deadline_ms,
             max_body_bytes,
             upstream_timeout_ms,
-            upstream_idle_timeout_ms
+            upstream_idle_timeout_ms,
+            header_read_timeout_ms,
+            max_connections,
+            connect_timeout_ms,
+            max_request_ms,
+            count_timeout_ms,
+            max_counting,
+            image_part_tokens,
+            audio_part_tokens
         );
+        if let Some(p) = &self.passthrough_paths {
+            s.passthrough_paths = p.clone();
+        }
         if let Some(p) = &self.tenants {
             let t = std::fs::read_to_string(p)
                 .with_context(|| format!("reading --tenants {}", p.display()))?;
@@ -274,7 +321,9 @@ async fn pick_counter(
         return TokenCounter::from_tokenizer_file(p).map_err(anyhow::Error::msg);
     }
     let estimate = TokenCounter::Estimate {
-        bytes_per_token: args.estimate_bytes_per_token.unwrap_or(3.0),
+        bytes_per_token: args
+            .estimate_bytes_per_token
+            .unwrap_or(envelope_governor::tokens::BOUND_BYTES_PER_TOKEN),
     };
     let url = format!("{upstream}/tokenize");
     let upstream_counter = TokenCounter::Upstream {
@@ -295,7 +344,7 @@ async fn pick_counter(
             match probe {
                 Ok(r) if r.status().is_success() => Ok(upstream_counter),
                 Ok(r) => {
-                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(3.0));
+                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(envelope_governor::tokens::BOUND_BYTES_PER_TOKEN));
                     Ok(estimate)
                 }
                 // Not up yet: count with it once it is (requests get 502 while
@@ -342,7 +391,9 @@ async fn run_async(args: GovernArgs) -> Result<()> {
         .listen
         .clone()
         .unwrap_or_else(|| "127.0.0.1:9000".into());
-    let client = envelope_governor::reqwest::Client::new();
+    let client = envelope_governor::reqwest::Client::builder()
+        .redirect(envelope_governor::reqwest::redirect::Policy::none())
+        .build()?;
 
     // Profile checks: the node and the upstream's model against the fingerprint.
     let shown = profile_path.display().to_string();
@@ -458,12 +509,15 @@ async fn run_async(args: GovernArgs) -> Result<()> {
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
         );
     }
-    // Hot reload: SIGHUP and file change.
+    // Hot reload: SIGHUP and a change of the profile or the tenants file.
     {
         let reload = reload.clone();
-        let path = profile_path.clone();
+        let paths: Vec<PathBuf> = std::iter::once(profile_path.clone())
+            .chain(args.tenants.clone())
+            .collect();
+        let mtimes = move || paths.iter().map(|p| mtime(p)).collect::<Vec<_>>();
         tokio::spawn(async move {
-            let mut last = mtime(&path);
+            let mut last = mtimes();
             let mut hup =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
             loop {
@@ -475,7 +529,7 @@ async fn run_async(args: GovernArgs) -> Result<()> {
                         false
                     }
                 };
-                let now = mtime(&path);
+                let now = mtimes();
                 if hupped || now != last {
                     last = now;
                     let _ = reload();
@@ -499,17 +553,14 @@ async fn run_async(args: GovernArgs) -> Result<()> {
             _ = tokio::signal::ctrl_c() => {},
         }
         tracing::info!(
-            "draining: new requests get 503; waiting up to {} ms for {} in flight",
+            "draining: new and queued requests get 503; waiting up to {} ms for {} in flight",
             drain_timeout.as_millis(),
             g.requests_in_flight()
         );
-        g.start_draining();
-        let idle = g.wait_idle(drain_timeout).await;
-        if !idle {
-            tracing::warn!(
-                "drain timeout: {} requests still in flight are cut",
-                g.requests_in_flight()
-            );
+        // Queued requests get 503 now; in-flight ones get until the drain
+        // timeout, then an SSE error event (or a cut connection).
+        if g.drain(drain_timeout).await {
+            tracing::info!("drained: nothing in flight");
         }
     };
     envelope_governor::serve(listener, Arc::new(state), shutdown).await?;

@@ -297,3 +297,147 @@ async fn context_caps_reload_and_drain() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Texts crafted to be many tokens per byte, and ordinary ones.
+fn crafted_texts() -> Vec<String> {
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let mut pick = |alphabet: &str, n: usize| -> String {
+        let chars: Vec<char> = alphabet.chars().collect();
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                chars[(seed % chars.len() as u64) as usize]
+            })
+            .collect()
+    };
+    vec![
+        "a ".repeat(300),
+        pick("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~", 600),
+        pick("0123456789", 600),
+        pick("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ", 600),
+        pick("abcdefghijklmnopqrstuvwxyz0123456789 \n\t", 600),
+        pick("é漢字😀ñßλжأ한", 200),
+        pick(" \n\t", 600),
+        "The quick brown fox jumps over the lazy dog. ".repeat(12),
+        "fn main() {\n    println!(\"{:?}\", (0..10).collect::<Vec<u32>>());\n}\n".repeat(6),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_estimate_errs_high_and_the_gguf_counts_exactly() {
+    // The default estimate against SmolLM2's own tokenizer, on text crafted
+    // to be many tokens per byte: never under.
+    let model = common::smollm2();
+    let tk = envelope_engine::TextTokenizer::from_path(std::path::Path::new(&model)).unwrap();
+    for text in crafted_texts() {
+        let real = tk.encode(&text).unwrap().len() as u64;
+        let est = envelope_governor::tokens::estimate_tokens(
+            &text,
+            envelope_governor::tokens::BOUND_BYTES_PER_TOKEN,
+        );
+        assert!(est >= real, "estimate {est} < {real} tokens for {text:?}");
+    }
+
+    let server = Server::start(&["--model", "dummy:tiny", "--kv-cache-bytes", KV_POOL]);
+    let dir = temp_dir("estimate");
+    let profile = dir.join("profile.json");
+    std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
+    let c = reqwest::Client::new();
+    // "a a a ...": 600 bytes, 300 tokens of SmolLM2's; bytes / 3 said 200.
+    let crafted = json!({"prompt": "a ".repeat(300), "max_tokens": 8});
+    {
+        let gov = Governor::start(
+            &dir,
+            &profile,
+            &server.base,
+            &["--token-count", "estimate", "--max-context-tokens", "280"],
+        );
+        let r = c
+            .post(gov.url("/v1/completions"))
+            .json(&crafted)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        assert_eq!(
+            r.json::<Value>().await.unwrap()["error"]["code"],
+            "context_length_exceeded"
+        );
+    }
+    // The model's .gguf counts exactly, with no call to the upstream.
+    let gov = Governor::start(
+        &dir,
+        &profile,
+        &server.base,
+        &["--tokenizer", &model, "--max-context-tokens", "400"],
+    );
+    let r = c
+        .post(gov.url("/v1/completions"))
+        .json(&crafted)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-token-count"], "tokenizer");
+    let want = tk.encode(&"a ".repeat(300)).unwrap().len();
+    assert_eq!(
+        r.headers()["x-envelope-prompt-tokens"],
+        want.to_string().as_str()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bad_tenants_file_on_reload_changes_nothing() {
+    let server = Server::start(&["--model", "dummy:tiny", "--kv-cache-bytes", KV_POOL]);
+    let dir = temp_dir("tenants-reload");
+    let profile = dir.join("profile.json");
+    std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
+    let tenants = dir.join("tenants.toml");
+    std::fs::write(&tenants, "[tenants.alice]\napi_keys = [\"sk-alice\"]\n").unwrap();
+    let gov = Governor::start(
+        &dir,
+        &profile,
+        &server.base,
+        &["--tenants", tenants.to_str().unwrap()],
+    );
+    let c = reqwest::Client::new();
+    let ask = |key: &'static str| {
+        c.post(gov.url("/v1/completions"))
+            .bearer_auth(key)
+            .json(&json!({"prompt": "hi", "max_tokens": 2}))
+            .send()
+    };
+    assert_eq!(ask("sk-alice").await.unwrap().status(), 200);
+    assert_eq!(ask("sk-bob").await.unwrap().status(), 401);
+    // A file that does not parse: the reload is refused, naming it...
+    std::fs::write(
+        &tenants,
+        "[tenants.bob]\napi_keys = [\"sk-bob\"]\nguaranteed = 7\n",
+    )
+    .unwrap();
+    let r = c.post(gov.url("/admin/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 422);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("tenants.toml"),
+        "{v}"
+    );
+    // ...and the keys in force are the old ones.
+    assert_eq!(ask("sk-alice").await.unwrap().status(), 200);
+    assert_eq!(ask("sk-bob").await.unwrap().status(), 401);
+    // A good one applies whole.
+    std::fs::write(&tenants, "[tenants.bob]\napi_keys = [\"sk-bob\"]\n").unwrap();
+    let r = c.post(gov.url("/admin/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = ask("sk-bob").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-tenant"], "bob");
+    assert_eq!(ask("sk-alice").await.unwrap().status(), 401);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -58,3 +58,9 @@ impl EngineError {
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl From<envelope_tokenizer::TokenizerError> for EngineError {
+    fn from(e: envelope_tokenizer::TokenizerError) -> EngineError {
+        EngineError::Tokenizer(e.0)
+    }
+}

@@ -7,7 +7,7 @@
 
 use crate::error::{GovernError, OverloadReason};
 use crate::estimate::{retry_after_from_ms, DrainEstimator};
-use crate::ladder::{Ladder, Level, Reading};
+use crate::ladder::{Ladder, Level};
 use crate::latency::{LatencyGuard, Sample};
 use crate::ledger::{units_per_sequence, Demand, Ledger, CAPACITY_UNITS};
 use crate::metrics::Metrics;
@@ -20,7 +20,7 @@ use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{oneshot, watch, Notify};
 
 type Waker = oneshot::Sender<Result<Permit, GovernError>>;
 /// What a queued request leaves in the queue: its wake-up and its charges.
@@ -90,6 +90,8 @@ pub struct Governor {
     upstream_errors_seen: AtomicU64,
     /// Arrival to upstream send, microseconds (HDR: exact percentiles for /admin/state).
     added_latency_us: Mutex<hdrhistogram::Histogram<u64>>,
+    /// Set at the drain timeout: every response still streaming ends.
+    cut: watch::Sender<bool>,
 }
 
 /// What a request asks the governor for.
@@ -203,6 +205,7 @@ impl Governor {
             added_latency_us: Mutex::new(
                 hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
             ),
+            cut: watch::channel(false).0,
         });
         gov.set_profile_label();
         {
@@ -538,6 +541,48 @@ impl Governor {
         }
     }
 
+    /// The checks that cost nothing, made before a request's body is
+    /// counted: draining, the guard refusing new work, a full queue.
+    ///
+    /// # Errors
+    /// 503 while draining; 429 with a Retry-After otherwise.
+    pub fn precheck(self: &Arc<Self>) -> Result<(), GovernError> {
+        if self.is_draining() {
+            return Err(GovernError::Draining);
+        }
+        let s = self.settings();
+        let now_ms = self.now_ms();
+        let mut g = self.lock();
+        let one = Demand {
+            seqs: 1,
+            kv_tokens: 1,
+            capacity: 1,
+        };
+        if g.ladder.level() == Level::RejectNew {
+            let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one).max(2);
+            return Err(Self::overloaded(
+                OverloadReason::GuardRejectNew,
+                ra,
+                format!(
+                    "the upstream is under pressure ({}); retry later",
+                    g.ladder.cause
+                ),
+            ));
+        }
+        if !g.queue.is_empty() && g.queue.len() >= s.max_queue_len {
+            let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one);
+            return Err(Self::overloaded(
+                OverloadReason::QueueFull,
+                ra,
+                format!(
+                    "the admission queue is full ({} requests); retry after {ra} s",
+                    g.queue.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Admits now, queues until it fits, or refuses.
     ///
     /// # Errors
@@ -701,111 +746,7 @@ impl Governor {
         }
         result
     }
-
-    /// Feeds a live-guard reading; applies the ladder's caps.
-    pub fn observe(self: &Arc<Self>, r: Reading) -> Level {
-        if let Some(kv) = r.kv_usage {
-            self.metrics.upstream_kv_usage.set(kv);
-            self.last_upstream_kv_milli
-                .store((kv * 1000.0) as u64, Ordering::Relaxed);
-        }
-        let errors = self.upstream_errors.load(Ordering::Relaxed);
-        let seen = self.upstream_errors_seen.swap(errors, Ordering::Relaxed);
-        let r = Reading {
-            now_ms: self.now_ms(),
-            upstream_errors: errors.saturating_sub(seen),
-            ..r
-        };
-        let (before, after, wakes) = {
-            let mut g = self.lock();
-            let before = g.ladder.level();
-            let after = g.ladder.observe(r);
-            self.apply_caps(&mut g);
-            let w = self.pump(&mut g);
-            self.publish(&g);
-            (before, after, w)
-        };
-        if before != after {
-            tracing::warn!(
-                from = before.label(),
-                to = after.label(),
-                "live guard moved"
-            );
-        }
-        Self::wake(wakes);
-        after
-    }
-
-    /// Swaps in new settings (hot reload); in-flight reservations stay.
-    pub fn reload(self: &Arc<Self>, settings: Settings) -> Result<(), String> {
-        settings.validate()?;
-        let wakes = {
-            let mut g = self.lock();
-            *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
-            let s = self.settings();
-            g.queue.set_bounds(s.max_queue_len, s.max_queue_tokens);
-            g.ledger.set_full_capacity(full_capacity(&s.limits));
-            g.ledger.set_min_burst_capacity(burst_floor(&s));
-            // In-flight requests keep their charges: a table of another
-            // length keeps the counts it can and releases saturate.
-            let rows = s.limits.buckets.len() + 1;
-            g.buckets.resize(rows, Demand::default());
-            g.latency = latency_guard(&s);
-            // Rows of the old table must not linger in /metrics.
-            self.metrics.bucket_sequences.clear();
-            self.metrics.bucket_capacity_used.clear();
-            self.apply_caps(&mut g);
-            let w = self.pump(&mut g);
-            self.publish(&g);
-            w
-        };
-        self.set_profile_label();
-        Self::wake(wakes);
-        Ok(())
-    }
-
-    /// The proxy saw the upstream fail (the live guard counts these).
-    pub fn note_upstream_error(&self) {
-        self.upstream_errors.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Records the time from arrival to the upstream send.
-    pub fn note_added_latency(&self, d: Duration) {
-        self.metrics.added_latency.observe(d.as_secs_f64());
-        let us = (d.as_micros() as u64).max(1);
-        let mut h = self
-            .added_latency_us
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let _ = h.record(us.min(600_000_000));
-    }
-
-    pub fn start_draining(&self) {
-        self.draining.store(true, Ordering::Release);
-        self.metrics.draining.set(1);
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
-    }
-
-    pub fn requests_in_flight(&self) -> u64 {
-        self.lock().requests_in_flight
-    }
-
-    /// Waits until nothing is in flight or `timeout` passes; true when idle.
-    pub async fn wait_idle(&self, timeout: Duration) -> bool {
-        let end = Instant::now() + timeout;
-        loop {
-            let notified = self.idle.notified();
-            if self.requests_in_flight() == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(end.into(), notified).await.is_err() {
-                return self.requests_in_flight() == 0;
-            }
-        }
-    }
 }
 
+mod lifecycle;
 mod state;

@@ -63,6 +63,9 @@ pub enum GovernError {
     UpstreamTimeout(String),
     #[error("not allowed: {0}")]
     Forbidden(String),
+    /// No API key, or one not known, where keys are configured.
+    #[error("{0}")]
+    Unauthorized(String),
     #[error("no route {0}")]
     NotFound(String),
 }
@@ -117,6 +120,7 @@ impl GovernError {
             GovernError::UpstreamUnreachable(_) => "upstream_unreachable",
             GovernError::UpstreamTimeout(_) => "upstream_timeout",
             GovernError::Forbidden(_) => "forbidden",
+            GovernError::Unauthorized(_) => "invalid_api_key",
             GovernError::NotFound(_) => "not_found",
         }
     }
@@ -135,6 +139,7 @@ impl GovernError {
             GovernError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             GovernError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             GovernError::Forbidden(_) => StatusCode::FORBIDDEN,
+            GovernError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             GovernError::NotFound(_) => StatusCode::NOT_FOUND,
         }
     }
@@ -187,6 +192,9 @@ impl GovernError {
             }
             GovernError::UpstreamTimeout(_) => ("server_error", None, Some("upstream_timeout")),
             GovernError::Forbidden(_) => ("invalid_request_error", None, Some("forbidden")),
+            GovernError::Unauthorized(_) => {
+                ("invalid_request_error", None, Some("invalid_api_key"))
+            }
             GovernError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
         };
         json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
@@ -247,6 +255,7 @@ mod tests {
                 bucket: "256x32".into(),
                 bucket_tokens: 288,
             },
+            GovernError::Unauthorized("x".into()),
         ]
     }
 
@@ -255,7 +264,7 @@ mod tests {
         let statuses: Vec<u16> = all().iter().map(|e| e.status().as_u16()).collect();
         assert_eq!(
             statuses,
-            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404, 400]
+            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404, 400, 401]
         );
         for e in all() {
             let b = e.body();

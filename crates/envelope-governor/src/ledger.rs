@@ -172,6 +172,23 @@ impl Ledger {
         };
     }
 
+    /// New tenant shares (hot reload). Reservations in flight stay with
+    /// their tenants; a tenant no longer listed keeps only what it holds
+    /// and its guarantee is no longer set aside for it.
+    pub fn set_shares(&mut self, shares: &HashMap<String, Share>, default_burst: f64) {
+        self.default_share = Share {
+            guaranteed: 0.0,
+            burst: default_burst.clamp(0.0, 1.0),
+        };
+        self.tenants.retain(|name, t| {
+            t.share = shares.get(name).copied();
+            t.share.is_some() || t.used != Demand::default()
+        });
+        for (name, s) in shares {
+            self.tenants.entry(name.clone()).or_default().share = Some(*s);
+        }
+    }
+
     /// A new profile capacity (hot reload); the current one follows it.
     pub fn set_full_capacity(&mut self, full: Demand) {
         self.full = full;

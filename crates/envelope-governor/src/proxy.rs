@@ -1,26 +1,32 @@
 //! The HTTP side: [`app`] builds the axum router (so tests run it in
-//! process), the two governed endpoints read and validate the body, count
-//! tokens, plan, wait for a permit, then forward to the upstream and stream
-//! the answer back chunk by chunk (reqwest `bytes_stream` -> axum
-//! `Body::from_stream`) with the permit riding inside the body stream: when
-//! the stream ends, fails, or the client goes away and the body is dropped,
-//! the reservation is released. Other GET paths pass through; the governor
-//! answers `/metrics` and `/admin/*` itself.
+//! process), [`serve`] runs it with connection limits. The two governed
+//! endpoints make the cheap checks first (draining, the guard refusing new
+//! work, a full queue, who the caller is), then read and validate the
+//! body, count tokens (bounded: one call at most, a deadline, a cap on how
+//! many are counted at once), plan, wait for a permit, and forward to the
+//! upstream; [`flow`] streams the answer back with the permit inside.
+//! GET paths on an allowlist pass through; the governor answers `/metrics`
+//! and `/admin/*` itself. Client-facing errors never name the upstream's
+//! address (the log does).
 
-use crate::admission::{Ask, Governor, Permit};
+mod flow;
+mod serve;
+
+use crate::admission::{Ask, Governor};
 use crate::error::GovernError;
+use crate::identity::{self, Identity, CLASS_HEADER};
 use crate::metrics::label;
 use crate::policy;
-use crate::queue::Class;
-use crate::request::{self, Endpoint, OutputDecision};
-use crate::tokens::TokenCounter;
+use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
+use crate::settings::{path_allowed, Settings};
+use crate::tokens::{self, CountSource, TokenCounter};
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures::StreamExt;
+pub use serve::serve;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,17 +41,17 @@ pub struct AppState {
     pub upstream: String,
     pub counter: TokenCounter,
     pub reload: Option<ReloadHook>,
+    /// Requests being counted at once.
+    counting: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
     pub fn new(gov: Arc<Governor>, upstream: &str, counter: TokenCounter) -> AppState {
+        let s = gov.settings();
         AppState {
+            client: upstream_client(&s),
+            counting: Arc::new(tokio::sync::Semaphore::new(s.max_counting)),
             gov,
-            client: reqwest::Client::builder()
-                .pool_max_idle_per_host(1024)
-                .tcp_nodelay(true)
-                .build()
-                .unwrap_or_default(),
             upstream: upstream.trim_end_matches('/').to_string(),
             counter,
             reload: None,
@@ -53,8 +59,19 @@ impl AppState {
     }
 }
 
+/// The client to the upstream: a connect timeout, no redirects followed.
+pub fn upstream_client(s: &Settings) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_millis(s.connect_timeout_ms))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap_or_default()
+}
+
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
-pub const CLASS_HEADER: &str = "x-envelope-class";
+const ADMIN_DENIED: &str = "admin endpoints answer loopback or a valid x-envelope-admin-token";
 
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
@@ -84,33 +101,47 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// Loopback, or the admin token (compared in constant time).
 fn admin_allowed(s: &AppState, req: &Request) -> bool {
     let loopback = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .is_some_and(|c| c.0.ip().is_loopback());
-    let token = s.gov.settings().admin_token.clone();
+    let settings = s.gov.settings();
     let given = req
         .headers()
         .get("x-envelope-admin-token")
-        .and_then(|v| v.to_str().ok());
-    loopback || (token.is_some() && given == token.as_deref())
+        .map(HeaderValue::as_bytes);
+    let token_ok = match (settings.admin_token.as_deref(), given) {
+        (Some(t), Some(g)) => constant_time_eq::constant_time_eq(t.as_bytes(), g),
+        _ => false,
+    };
+    loopback || token_ok
+}
+
+/// A request a browser sent (a page on any site can make the browser POST
+/// to a loopback address; browsers mark such requests, scripts do not).
+fn from_a_browser(h: &HeaderMap) -> bool {
+    h.contains_key("origin")
+        || h.get("sec-fetch-site")
+            .is_some_and(|v| v.as_bytes() != b"none")
+        || h.contains_key("sec-fetch-mode")
 }
 
 async fn admin_state(State(s): State<Arc<AppState>>, req: Request) -> Response {
     if !admin_allowed(&s, &req) {
-        return GovernError::Forbidden(
-            "admin endpoints answer loopback or a valid x-envelope-admin-token".into(),
-        )
-        .into_response();
+        return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
     }
     axum::Json(s.gov.state_json()).into_response()
 }
 
 async fn admin_reload(State(s): State<Arc<AppState>>, req: Request) -> Response {
     if !admin_allowed(&s, &req) {
+        return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
+    }
+    if from_a_browser(req.headers()) {
         return GovernError::Forbidden(
-            "admin endpoints answer loopback or a valid x-envelope-admin-token".into(),
+            "admin POSTs are refused from browsers (Origin or Sec-Fetch-* present)".into(),
         )
         .into_response();
     }
@@ -127,15 +158,18 @@ async fn admin_reload(State(s): State<Arc<AppState>>, req: Request) -> Response 
     }
 }
 
-/// Read-only paths (and the tokenizer endpoints) go to the upstream as they are.
+/// Allowlisted GET paths (and the tokenizer endpoints) go to the upstream as they are.
 async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
+    let settings = s.gov.settings();
     let path = req.uri().path().to_string();
-    let allowed = matches!(*req.method(), Method::GET | Method::HEAD)
+    let allowed = (matches!(*req.method(), Method::GET | Method::HEAD)
+        && path_allowed(&settings.passthrough_paths, &path))
         || (req.method() == Method::POST && matches!(path.as_str(), "/tokenize" | "/detokenize"));
     if !allowed {
         let e = GovernError::NotFound(format!(
-            "{} {path}: the governor forwards GET paths, /tokenize and the two completion endpoints",
-            req.method()
+            "{} {path}: the governor forwards the two completion endpoints, /tokenize and the GET paths it is configured to pass ({})",
+            req.method(),
+            settings.passthrough_paths.join(", ")
         ));
         s.gov.metrics.reject(e.reason());
         return e.into_response();
@@ -157,7 +191,8 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
             .into_response()
         }
     };
-    let timeout = Duration::from_millis(s.gov.settings().upstream_timeout_ms);
+    let timeout = Duration::from_millis(settings.upstream_timeout_ms.min(settings.max_request_ms));
+    let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
     let send = s
         .client
         .request(method, &url)
@@ -165,21 +200,25 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
         .body(body)
         .send();
     match tokio::time::timeout(timeout, send).await {
-        Ok(Ok(resp)) => stream_back(&s, resp, None, None, Vec::new()),
-        Ok(Err(e)) => upstream_error(&s, e.to_string(), false),
+        Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, Vec::new()),
+        Ok(Err(e)) => upstream_error(&s, format!("{url}: {e}"), e.is_timeout() && !e.is_connect())
+            .into_response(),
         Err(_) => upstream_error(
             &s,
             format!("{url}: no answer in {} ms", timeout.as_millis()),
             true,
-        ),
+        )
+        .into_response(),
     }
 }
 
-fn upstream_error(s: &AppState, message: String, timeout: bool) -> Response {
+/// Logs `detail` (which may name the upstream) and returns an error for
+/// the client that does not.
+fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
     let e = if timeout {
-        GovernError::UpstreamTimeout(message)
+        GovernError::UpstreamTimeout("no answer in time".into())
     } else {
-        GovernError::UpstreamUnreachable(message)
+        GovernError::UpstreamUnreachable("the connection failed".into())
     };
     s.gov
         .metrics
@@ -187,8 +226,8 @@ fn upstream_error(s: &AppState, message: String, timeout: bool) -> Response {
         .get_or_create(&label("kind", e.reason()))
         .inc();
     s.gov.note_upstream_error();
-    tracing::warn!(reason = e.reason(), "{e}");
-    e.into_response()
+    tracing::warn!(reason = e.reason(), "upstream: {detail}");
+    e
 }
 
 const HOP_BY_HOP: &[&str] = &[
@@ -216,28 +255,47 @@ fn forward_headers(h: &HeaderMap) -> HeaderMap {
     out
 }
 
+fn reject(s: &AppState, e: GovernError) -> Response {
+    s.gov.metrics.reject(e.reason());
+    if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
+        tracing::info!(
+            reason = e.reason(),
+            status = e.status().as_u16(),
+            "refused: {e}"
+        );
+    } else {
+        tracing::debug!(
+            reason = e.reason(),
+            status = e.status().as_u16(),
+            "refused: {e}"
+        );
+    }
+    e.into_response()
+}
+
 async fn governed(State(s): State<Arc<AppState>>, endpoint: Endpoint, req: Request) -> Response {
     let arrived = Instant::now();
-    match handle(&s, endpoint, req, arrived).await {
-        Ok(r) => r,
-        Err(e) => {
-            s.gov.metrics.reject(e.reason());
-            if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
-                tracing::info!(
-                    reason = e.reason(),
-                    status = e.status().as_u16(),
-                    "refused: {e}"
-                );
-            } else {
-                tracing::debug!(
-                    reason = e.reason(),
-                    status = e.status().as_u16(),
-                    "refused: {e}"
-                );
-            }
-            e.into_response()
-        }
+    // Cheap checks first: nothing is read or counted for a request that
+    // would be refused anyway.
+    if let Err(e) = s.gov.precheck() {
+        return reject(&s, e);
     }
+    let settings = s.gov.settings();
+    let who = match identity::identify(&settings.tenants, req.headers()) {
+        Ok(w) => w,
+        Err(e) => return reject(&s, e),
+    };
+    let mut r = match handle(&s, &settings, endpoint, req, arrived, &who).await {
+        Ok(r) => r,
+        Err(e) => reject(&s, e),
+    };
+    // Every answer says whom it was charged to.
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&who.tenant) {
+        h.insert("x-envelope-tenant", v);
+    }
+    h.insert(CLASS_HEADER, HeaderValue::from_static(who.class.label()));
+    r
 }
 
 async fn read_body(body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, GovernError> {
@@ -266,36 +324,51 @@ async fn read_body(body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, G
     }
 }
 
-fn tenant_of(s: &AppState, h: &HeaderMap) -> String {
-    let settings = s.gov.settings();
-    let t = &settings.tenants;
-    if let Some(key) = h
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    {
-        if let Some(name) = t.tenant_of_key(key.trim()) {
-            return name.to_string();
+/// Prompt tokens per group, within the count timeout and the cap on
+/// requests counted at once; past the timeout, the bound estimate. Media
+/// parts of a chat add their configured cost.
+async fn count(
+    s: &AppState,
+    settings: &Settings,
+    parsed: &ParsedRequest,
+) -> Result<(Vec<u64>, CountSource), GovernError> {
+    let timeout = Duration::from_millis(settings.count_timeout_ms);
+    let counted = tokio::time::timeout(timeout, async {
+        let _slot = s.counting.acquire().await;
+        s.counter.count(parsed).await
+    })
+    .await;
+    let (mut counts, source) = match counted {
+        Ok(r) => r?,
+        Err(_) => {
+            tracing::info!(
+                "counting took over {} ms: the bound estimate counts",
+                timeout.as_millis()
+            );
+            (
+                tokens::estimate(parsed, tokens::BOUND_BYTES_PER_TOKEN),
+                CountSource::Estimate,
+            )
+        }
+    };
+    if let Prompts::Messages(c) = &parsed.prompts {
+        let media = c.media.images * settings.image_part_tokens
+            + c.media.audio * settings.audio_part_tokens;
+        if let Some(first) = counts.first_mut() {
+            *first += media;
         }
     }
-    h.get(t.header.as_str())
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim())
-        .filter(|v| !v.is_empty() && v.len() <= 64)
-        .map(str::to_string)
-        .unwrap_or_else(|| "default".to_string())
+    Ok((counts, source))
 }
 
 async fn handle(
     s: &Arc<AppState>,
+    settings: &Arc<Settings>,
     endpoint: Endpoint,
     req: Request,
     arrived: Instant,
+    who: &Identity,
 ) -> Result<Response, GovernError> {
-    if s.gov.is_draining() {
-        return Err(GovernError::Draining);
-    }
-    let settings = s.gov.settings();
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -311,15 +384,7 @@ async fn handle(
     }
     let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
     let parsed = request::parse(endpoint, &bytes)?;
-    let class = match parts.headers.get(CLASS_HEADER) {
-        None => Class::Interactive,
-        Some(v) => v.to_str().ok().and_then(Class::parse).ok_or_else(|| {
-            GovernError::invalid(
-                None,
-                format!("header {CLASS_HEADER} must be interactive or batch"),
-            )
-        })?,
-    };
+    let class = who.class;
     let deadline_ms = match parts.headers.get(DEADLINE_HEADER) {
         None => settings.class_deadline_ms(class),
         Some(v) => v
@@ -334,8 +399,9 @@ async fn handle(
                 )
             })?,
     };
-    let tenant = tenant_of(s, &parts.headers);
-    let (counts, source) = s.counter.count(&parsed).await?;
+    // The whole request, queue and answer, ends by its lifetime.
+    let end = arrived + Duration::from_millis(settings.max_request_ms);
+    let (counts, source) = count(s, settings, &parsed).await?;
     s.gov
         .metrics
         .token_counts
@@ -381,9 +447,9 @@ async fn handle(
     let permit = s
         .gov
         .admit(Ask {
-            tenant,
+            tenant: who.tenant.clone(),
             class,
-            deadline: arrived + Duration::from_millis(deadline_ms),
+            deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),
             demand: plan.demand,
             charges: plan.charges.clone(),
             expected_ttft_ms,
@@ -402,21 +468,33 @@ async fn handle(
     let mut headers = forward_headers(&parts.headers);
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     let url = format!("{}{path}", s.upstream);
-    let timeout = Duration::from_millis(settings.upstream_timeout_ms);
+    let timeout = Duration::from_millis(settings.upstream_timeout_ms)
+        .min(end.saturating_duration_since(Instant::now()));
     s.gov.note_added_latency(arrived.elapsed());
     let sent_at = Instant::now();
     let send = s.client.post(&url).headers(headers).body(body).send();
-    let resp = match tokio::time::timeout(timeout, send).await {
-        Ok(Ok(r)) => r,
-        // The permit drops with this scope: the reservation is released.
-        Ok(Err(e)) => return Ok(upstream_error(s, format!("{url}: {e}"), e.is_timeout())),
-        Err(_) => {
-            return Ok(upstream_error(
-                s,
-                format!("{url}: no response headers in {} ms", timeout.as_millis()),
-                true,
-            ))
-        }
+    let mut cut = s.gov.cut_signal();
+    let resp = tokio::select! {
+        r = tokio::time::timeout(timeout, send) => match r {
+            Ok(Ok(r)) => r,
+            // The permit drops with this scope: the reservation is released.
+            // A connect timeout is an unreachable upstream (502), not a slow one.
+            Ok(Err(e)) => {
+                return Err(upstream_error(
+                    s,
+                    format!("{url}: {e}"),
+                    e.is_timeout() && !e.is_connect(),
+                ))
+            }
+            Err(_) => {
+                return Err(upstream_error(
+                    s,
+                    format!("{url}: no response headers in {} ms", timeout.as_millis()),
+                    true,
+                ))
+            }
+        },
+        _ = cut.wait_for(|c| *c) => return Err(GovernError::Draining),
     };
     let extra = vec![
         ("x-envelope-max-tokens", plan.max_tokens.to_string()),
@@ -431,229 +509,19 @@ async fn handle(
             permit.queued_for.as_millis().to_string(),
         ),
     ];
-    Ok(stream_back(s, resp, Some(permit), Some(sent_at), extra))
-}
-
-/// What rides inside the response body stream.
-struct Flow {
-    inner: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
-    permit: Option<Permit>,
-    gov: Arc<Governor>,
-    sse: bool,
-    sent_at: Option<Instant>,
-    first_chunk: Option<Instant>,
-    last_chunk: Option<Instant>,
-    /// A 2xx answer: its timings feed the latency guard.
-    ok: bool,
-    /// When the last chunk went to the client, and whether the client ever
-    /// took long to ask for the next: chunks are timed as the client reads
-    /// them, so a slow reader's timings say nothing of the upstream and
-    /// must not move the latency guard for everyone.
-    yielded_at: Option<Instant>,
-    slow_reader: bool,
-    idle: Duration,
-    /// The last bytes seen, for the `usage` object at the end.
-    tail: Vec<u8>,
-    events: u64,
-    done: bool,
-}
-
-const TAIL_BYTES: usize = 4096;
-
-/// A client that takes longer than this to ask for the next chunk is
-/// reading slowly (a fast one asks within microseconds).
-const SLOW_READER_GAP: Duration = Duration::from_millis(50);
-
-fn find_number(hay: &str, key: &str) -> Option<u64> {
-    let i = hay.rfind(key)?;
-    let rest = hay[i + key.len()..].trim_start_matches([' ', ':', '"']);
-    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-    digits.parse().ok()
-}
-
-impl Flow {
-    /// The request's timings for the latency guard: TTFT and mean gap
-    /// between events of a stream (events, not chunks, so coalesced chunks
-    /// do not hide gaps), or the whole time of a non-streaming answer.
-    fn timings(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        let Some(sent) = self.sent_at.filter(|_| !self.slow_reader) else {
-            return (None, None, None);
-        };
-        if !self.sse {
-            return (None, None, self.last_chunk.map(|t| ms(t - sent)));
-        }
-        let ttft = self.first_chunk.map(|t| ms(t - sent));
-        // Events after the first, less the closing `[DONE]`.
-        let gaps = self.events.saturating_sub(2);
-        // Several sequences (n > 1, batched prompts) interleave their
-        // events, so the gaps between them are not any one's ITL.
-        let one_sequence = self.permit.as_ref().is_some_and(|p| p.demand().seqs == 1);
-        let itl = match (self.first_chunk, self.last_chunk) {
-            (Some(a), Some(b)) if gaps > 0 && one_sequence => Some(ms(b - a) / gaps as f64),
-            _ => None,
-        };
-        (ttft, itl, None)
-    }
-
-    fn settle(&mut self) {
-        if self.ok {
-            if let Some(p) = &self.permit {
-                let (ttft, itl, e2e) = self.timings();
-                p.record_latency(ttft, itl, e2e);
-            }
-        }
-        if let Some(mut p) = self.permit.take() {
-            let tail = String::from_utf8_lossy(&self.tail);
-            let used = match (
-                find_number(&tail, "\"prompt_tokens\""),
-                find_number(&tail, "\"completion_tokens\""),
-            ) {
-                (Some(a), Some(b)) => Some(a + b),
-                // No usage in a stream: one data event is about one token.
-                _ if self.sse => Some(self.events.saturating_sub(1)),
-                _ => None,
-            };
-            if let Some(u) = used {
-                p.settle(u);
-            }
-        }
-    }
-
-    fn observe_chunk(&mut self, b: &Bytes) {
-        let now = Instant::now();
-        if self.sse {
-            match (self.last_chunk, self.sent_at) {
-                (Some(t), _) => self
-                    .gov
-                    .metrics
-                    .inter_chunk
-                    .observe((now - t).as_secs_f64()),
-                (None, Some(t)) => {
-                    self.first_chunk = Some(now);
-                    self.gov.metrics.ttft.observe((now - t).as_secs_f64())
-                }
-                _ => {}
-            }
-            self.events += b.windows(5).filter(|w| w == b"data:").count() as u64;
-        }
-        self.last_chunk = Some(now);
-        self.tail.extend_from_slice(b);
-        if self.tail.len() > TAIL_BYTES {
-            let cut = self.tail.len() - TAIL_BYTES;
-            self.tail.drain(..cut);
-        }
-    }
-}
-
-fn stream_back(
-    s: &AppState,
-    resp: reqwest::Response,
-    permit: Option<Permit>,
-    sent_at: Option<Instant>,
-    extra: Vec<(&'static str, String)>,
-) -> Response {
-    let status = resp.status();
-    let mut headers = HeaderMap::with_capacity(resp.headers().len() + extra.len());
-    for (k, v) in resp.headers() {
-        if !HOP_BY_HOP.contains(&k.as_str()) {
-            headers.append(k.clone(), v.clone());
-        }
-    }
-    for (k, v) in extra {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            headers.insert(HeaderName::from_static(k), v);
-        }
-    }
-    let sse = headers
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
-    let flow = Flow {
-        inner: resp.bytes_stream().boxed(),
-        permit,
-        gov: s.gov.clone(),
-        sse,
-        sent_at,
-        first_chunk: None,
-        last_chunk: None,
-        ok: status.is_success(),
-        yielded_at: None,
-        slow_reader: false,
-        idle: Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms),
-        tail: Vec::new(),
-        events: 0,
-        done: false,
-    };
-    let stream = futures::stream::unfold(flow, |mut f| async move {
-        if f.done {
-            return None;
-        }
-        if f.yielded_at.is_some_and(|t| t.elapsed() > SLOW_READER_GAP) {
-            f.slow_reader = true;
-        }
-        let failure = match tokio::time::timeout(f.idle, f.inner.next()).await {
-            Ok(Some(Ok(b))) => {
-                f.observe_chunk(&b);
-                f.yielded_at = Some(Instant::now());
-                return Some((Ok::<Bytes, std::io::Error>(b), f));
-            }
-            Ok(None) => {
-                f.settle();
-                return None;
-            }
-            Ok(Some(Err(e))) => ("upstream_stream_error", e.to_string()),
-            Err(_) => (
-                "upstream_stream_timeout",
-                format!("no data from the upstream for {} ms", f.idle.as_millis()),
-            ),
-        };
-        f.done = true;
-        f.gov
-            .metrics
-            .upstream_errors
-            .get_or_create(&label("kind", failure.0))
-            .inc();
-        f.gov.note_upstream_error();
-        tracing::warn!(
-            kind = failure.0,
-            "upstream failed mid-response: {}",
-            failure.1
-        );
-        // Release now, not when the client finally drops the body.
-        f.permit.take();
-        if f.sse {
-            let body = serde_json::json!({"error": {"message": format!("the upstream failed mid-stream: {}", failure.1),
-                "type": "server_error", "param": null, "code": failure.0}});
-            let ev = Bytes::from(format!("data: {body}\n\n"));
-            Some((Ok(ev), f))
-        } else {
-            Some((Err(std::io::Error::other(failure.1)), f))
-        }
-    });
-    let mut r = Response::new(Body::from_stream(stream));
-    *r.status_mut() = status;
-    *r.headers_mut() = headers;
-    r
-}
-
-/// Serves `app` on `listener` (with peer addresses, for the admin check)
-/// until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    Ok(flow::stream_back(
+        s,
+        resp,
+        Some(permit),
+        Some(sent_at),
+        end,
+        extra,
+    ))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::flow::find_number;
     use super::*;
 
     #[test]
@@ -674,5 +542,18 @@ mod tests {
         let f = forward_headers(&h);
         assert_eq!(f.len(), 1);
         assert!(f.contains_key("authorization"));
+    }
+
+    #[test]
+    fn browsers_are_told_apart_from_scripts() {
+        let mut h = HeaderMap::new();
+        assert!(!from_a_browser(&h));
+        h.insert("sec-fetch-site", HeaderValue::from_static("none"));
+        assert!(!from_a_browser(&h));
+        h.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
+        assert!(from_a_browser(&h));
+        let mut h = HeaderMap::new();
+        h.insert("origin", HeaderValue::from_static("http://example.com"));
+        assert!(from_a_browser(&h));
     }
 }

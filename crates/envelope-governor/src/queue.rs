@@ -15,7 +15,8 @@ use crate::ledger::{Demand, Refusal};
 use std::collections::HashMap;
 use std::time::Instant;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Class {
     Interactive,
     Batch,
@@ -200,6 +201,17 @@ impl<T> AdmissionQueue<T> {
         let e = self.entries.swap_remove(i);
         self.queued_tokens -= e.demand.kv_tokens;
         Some(e)
+    }
+
+    /// Removes and returns every entry (drain).
+    pub fn take_all(&mut self) -> Vec<Entry<T>> {
+        self.queued_tokens = 0;
+        std::mem::take(&mut self.entries)
+    }
+
+    /// New fair-queueing weights (hot reload); virtual times stay.
+    pub fn set_weights(&mut self, weights: HashMap<String, f64>) {
+        self.weights = weights;
     }
 
     /// Removes and returns the entries whose deadline has passed.

@@ -1,8 +1,15 @@
 //! Parse, then validate (TGI's `GenerateRequest` -> `ValidGenerateRequest`):
 //! the fields the governor needs from an OpenAI request body, each checked
 //! and named in the error. Fields the governor does not read (including
-//! unknown ones) are passed through untouched: the upstream owns them. The
-//! body is rewritten only when `max_tokens` must be injected or clamped.
+//! unknown ones) are passed through untouched: the upstream owns them.
+//!
+//! Nothing a server turns into work escapes the count: every output-length
+//! field the common servers honour ([`OUTPUT_FIELDS`]) is read (the largest
+//! counts) and all of them are rewritten to the one limit applied, with
+//! `min_tokens` kept under it; sequences are the larger of `n` and `best_of`;
+//! a chat prompt is its messages' text, every other field of a message
+//! (`tool_calls`, `name`, ...) and the request's `tools` as JSON text, and a
+//! configured cost per image or audio part ([`ChatText`]).
 
 use crate::error::GovernError;
 use serde_json::{Map, Value};
@@ -33,8 +40,82 @@ impl Endpoint {
 pub enum Prompts {
     Texts(Vec<String>),
     Tokens(Vec<Vec<u32>>),
-    /// Chat messages as sent (validated: non-empty, each has a string role).
-    Messages(Vec<Value>),
+    /// A chat request's messages as the text that becomes prompt tokens.
+    Messages(ChatText),
+}
+
+/// Media parts of a chat request, charged a configured cost each.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Media {
+    pub images: u64,
+    pub audio: u64,
+}
+
+/// A chat request flattened to (role, text) pairs: each message's text
+/// parts, then every other field of it (`tool_calls`, `name`,
+/// `tool_call_id`, ...) as JSON; the request's `tools` / `functions` /
+/// `tool_choice` as JSON in a leading system message; parts that are
+/// neither text nor media as JSON. Media parts are counted, not texted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ChatText {
+    pub messages: Vec<(String, String)>,
+    pub media: Media,
+}
+
+impl ChatText {
+    /// The messages as `/tokenize` takes them.
+    pub fn as_messages(&self) -> Value {
+        Value::Array(
+            self.messages
+                .iter()
+                .map(|(role, text)| serde_json::json!({"role": role, "content": text}))
+                .collect(),
+        )
+    }
+}
+
+/// Request fields that add prompt tokens through the chat template.
+const TOOL_FIELDS: &[&str] = &["tools", "functions", "tool_choice"];
+
+fn flatten_chat(body: &Map<String, Value>, msgs: &[Value]) -> ChatText {
+    let mut out = ChatText::default();
+    let tools: Vec<String> = TOOL_FIELDS
+        .iter()
+        .filter_map(|f| body.get(*f).filter(|v| !v.is_null() && !v.is_string()))
+        .map(Value::to_string)
+        .collect();
+    if !tools.is_empty() {
+        out.messages.push(("system".into(), tools.join("\n")));
+    }
+    for m in msgs {
+        let Some(obj) = m.as_object() else { continue };
+        let role = obj.get("role").and_then(Value::as_str).unwrap_or("user");
+        let mut text = String::new();
+        match obj.get("content") {
+            Some(Value::String(s)) => text.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    let kind = p.get("type").and_then(Value::as_str).unwrap_or("");
+                    match (kind, p.get("text").and_then(Value::as_str)) {
+                        (_, Some(t)) => text.push_str(t),
+                        ("image_url" | "image" | "input_image", _) => out.media.images += 1,
+                        ("input_audio" | "audio" | "audio_url", _) => out.media.audio += 1,
+                        _ => text.push_str(&p.to_string()),
+                    }
+                }
+            }
+            _ => {}
+        }
+        for (k, v) in obj {
+            if k != "role" && k != "content" && !v.is_null() {
+                text.push(' ');
+                text.push_str(k);
+                text.push_str(&v.to_string());
+            }
+        }
+        out.messages.push((role.to_string(), text));
+    }
+    out
 }
 
 impl Prompts {
@@ -52,15 +133,31 @@ pub struct ParsedRequest {
     pub endpoint: Endpoint,
     pub body: Map<String, Value>,
     pub prompts: Prompts,
-    /// The client's limit, if any, and the field it used.
+    /// The client's limit, if any: the largest of the output-length fields
+    /// it set (None when none is set, or llama.cpp's `n_predict` is -1).
     pub max_tokens: Option<u64>,
+    /// The field the limit is written to when the client set none.
     pub max_tokens_field: &'static str,
+    /// The output-length fields the client set (each rewritten to the limit).
+    pub output_fields: Vec<&'static str>,
+    /// vLLM's `min_tokens` (kept at most the limit).
+    pub min_tokens: Option<u64>,
+    /// Sequences generated: the larger of `n` and `best_of`.
     pub n: u64,
     pub stream: bool,
 }
 
-/// Upper bound on `n` (OpenAI's own is 128).
+/// Upper bound on `n` and `best_of` (OpenAI's own is 128).
 pub const MAX_N: u64 = 128;
+
+/// Output-length fields: OpenAI's two, llama.cpp's `n_predict`, TGI's
+/// `max_new_tokens`. A server may honour any of them.
+pub const OUTPUT_FIELDS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "n_predict",
+    "max_new_tokens",
+];
 
 fn int_field(obj: &Map<String, Value>, name: &'static str) -> Result<Option<i64>, GovernError> {
     match obj.get(name) {
@@ -166,20 +263,7 @@ fn parse_messages(v: Option<&Value>) -> Result<Prompts, GovernError> {
             }
         }
     }
-    Ok(Prompts::Messages(a.clone()))
-}
-
-/// The text of a chat message's content (string, or the `text` of its parts).
-pub fn message_text(m: &Value) -> String {
-    match m.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(""),
-        _ => String::new(),
-    }
+    Ok(Prompts::Messages(ChatText::default()))
 }
 
 /// Parses and validates `body` for `endpoint`.
@@ -197,36 +281,64 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
     };
     let prompts = match endpoint {
         Endpoint::Completions => parse_prompt(obj.get("prompt"))?,
-        Endpoint::Chat => parse_messages(obj.get("messages"))?,
-    };
-    let (field, asked) = match (
-        endpoint,
-        int_field(&obj, "max_completion_tokens")?,
-        int_field(&obj, "max_tokens")?,
-    ) {
-        (Endpoint::Chat, Some(v), _) => ("max_completion_tokens", Some(v)),
-        (_, _, v) => ("max_tokens", v),
-    };
-    let max_tokens = match asked {
-        Some(v) if v < 1 => {
-            return Err(GovernError::invalid(
-                Some(field),
-                format!("`{field}` must be at least 1, got {v}"),
-            ))
-        }
-        Some(v) => Some(v as u64),
-        None => None,
-    };
-    let n = match int_field(&obj, "n")? {
-        None => 1,
-        Some(v) if (1..=MAX_N as i64).contains(&v) => v as u64,
-        Some(v) => {
-            return Err(GovernError::invalid(
-                Some("n"),
-                format!("`n` must be in 1..={MAX_N}, got {v}"),
+        Endpoint::Chat => {
+            parse_messages(obj.get("messages"))?;
+            let msgs = obj.get("messages").and_then(Value::as_array);
+            Prompts::Messages(flatten_chat(
+                &obj,
+                msgs.map(Vec::as_slice).unwrap_or_default(),
             ))
         }
     };
+    let mut output_fields = Vec::new();
+    let mut largest: Option<u64> = None;
+    let mut unbounded = false;
+    for &field in OUTPUT_FIELDS {
+        let Some(v) = int_field(&obj, field)? else {
+            continue;
+        };
+        output_fields.push(field);
+        match v {
+            // llama.cpp: -1 (or 0) generates until the end of the context.
+            v if field == "n_predict" && v < 1 => unbounded = true,
+            v if v < 1 => {
+                return Err(GovernError::invalid(
+                    Some(field),
+                    format!("`{field}` must be at least 1, got {v}"),
+                ))
+            }
+            v => largest = largest.max(Some(v as u64)),
+        }
+    }
+    let max_tokens = if unbounded { None } else { largest };
+    let field = match endpoint {
+        Endpoint::Chat if output_fields.contains(&"max_completion_tokens") => {
+            "max_completion_tokens"
+        }
+        _ => "max_tokens",
+    };
+    let min_tokens = match int_field(&obj, "min_tokens")? {
+        Some(v) if v < 0 => {
+            return Err(GovernError::invalid(
+                Some("min_tokens"),
+                format!("`min_tokens` must be at least 0, got {v}"),
+            ))
+        }
+        v => v.map(|v| v as u64),
+    };
+    let mut n = 1;
+    for name in ["n", "best_of"] {
+        match int_field(&obj, name)? {
+            None => {}
+            Some(v) if (1..=MAX_N as i64).contains(&v) => n = n.max(v as u64),
+            Some(v) => {
+                return Err(GovernError::invalid(
+                    Some(name),
+                    format!("`{name}` must be in 1..={MAX_N}, got {v}"),
+                ))
+            }
+        }
+    }
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -243,6 +355,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
         prompts,
         max_tokens,
         max_tokens_field: field,
+        output_fields,
+        min_tokens,
         n,
         stream,
     })
@@ -267,13 +381,40 @@ impl OutputDecision {
 }
 
 impl ParsedRequest {
-    /// The body to forward: the original bytes unless `max_tokens` changed.
+    /// The body to forward: the original bytes unless the output limit
+    /// must change. Every output-length field the client set above the
+    /// applied limit (or unbounded) is lowered to it, so no server reads a
+    /// larger one; the main field is set when the client did not; and
+    /// `min_tokens` is kept at most the limit.
     pub fn body_with_max_tokens(&self, original: &bytes::Bytes, applied: u64) -> bytes::Bytes {
-        if self.max_tokens == Some(applied) {
+        let over = |f: &str| {
+            self.body
+                .get(f)
+                .and_then(Value::as_i64)
+                .is_none_or(|v| v < 1 || v as u64 > applied)
+        };
+        let mut fields: Vec<&str> = self
+            .output_fields
+            .iter()
+            .copied()
+            .filter(|f| over(f))
+            .collect();
+        // The main field is always set: a server that ignores the others
+        // would otherwise run to its own default.
+        if !self.output_fields.contains(&self.max_tokens_field) {
+            fields.push(self.max_tokens_field);
+        }
+        let min_over = self.min_tokens.is_some_and(|m| m > applied);
+        if fields.is_empty() && !min_over {
             return original.clone();
         }
         let mut obj = self.body.clone();
-        obj.insert(self.max_tokens_field.to_string(), Value::from(applied));
+        for f in fields {
+            obj.insert(f.to_string(), Value::from(applied));
+        }
+        if min_over {
+            obj.insert("min_tokens".into(), Value::from(applied));
+        }
         bytes::Bytes::from(serde_json::to_vec(&Value::Object(obj)).unwrap_or_default())
     }
 }
@@ -379,7 +520,8 @@ mod tests {
             br#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":7,"max_tokens":9}"#,
         )
         .unwrap();
-        assert_eq!(p.max_tokens, Some(7));
+        // The largest output field counts: a server may read either.
+        assert_eq!(p.max_tokens, Some(9));
         assert_eq!(p.max_tokens_field, "max_completion_tokens");
         for body in [
             r#"{"messages":[]}"#,
@@ -394,8 +536,15 @@ mod tests {
                 "{body}"
             );
         }
-        let m: Value = serde_json::json!({"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]});
-        assert_eq!(message_text(&m), "ab");
+        let p = parse(
+            Endpoint::Chat,
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        let Prompts::Messages(c) = &p.prompts else {
+            panic!()
+        };
+        assert_eq!(c.messages, vec![("user".to_string(), "ab".to_string())]);
     }
 
     #[test]

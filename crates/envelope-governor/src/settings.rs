@@ -4,17 +4,26 @@
 //! could not enforce and names the field. The tenants file is TOML:
 //!
 //! ```toml
-//! header = "x-envelope-tenant"   # optional; where a tenant name may be given
+//! trusted_header = "x-tenant"    # optional: set by a trusted front proxy
 //! default_burst = 1.0            # ceiling for tenants not listed
+//! default_classes = ["interactive", "batch"]
 //! [tenants.alice]
 //! guaranteed = 0.5               # fractions of KV budget and concurrency
 //! burst = 1.0
 //! weight = 2.0                   # fair-queueing weight (default 1)
 //! api_keys = ["sk-alice-1"]
+//! classes = ["batch"]            # the classes alice may use (default both)
 //! ```
+//!
+//! Identity: a request's tenant comes from the trusted header when the file
+//! names one and the request carries it, else from its API key (the bearer
+//! token) when any keys are configured (no key or an unknown one: 401),
+//! else it is `default`. A client-chosen `x-envelope-tenant` counts for
+//! nothing: without a trusted header every anonymous request is `default`.
 
 use crate::ladder::LadderConfig;
 use crate::ledger::{validate_shares, Share};
+use crate::queue::Class;
 use envelope_profile::Limits;
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -93,6 +102,9 @@ pub struct TenantSpec {
     pub weight: f64,
     #[serde(default)]
     pub api_keys: Vec<String>,
+    /// The classes this tenant may use; the first is its default (absent: both).
+    #[serde(default)]
+    pub classes: Option<Vec<Class>>,
 }
 
 fn one() -> f64 {
@@ -102,31 +114,48 @@ fn one() -> f64 {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantsFile {
-    #[serde(default = "default_header")]
-    pub header: String,
+    /// A header a trusted front proxy sets to the tenant's name (the
+    /// governor must then be reachable only through that proxy).
+    #[serde(default)]
+    pub trusted_header: Option<String>,
     #[serde(default = "one")]
     pub default_burst: f64,
+    /// The classes of tenants not listed (absent: both).
+    #[serde(default)]
+    pub default_classes: Option<Vec<Class>>,
     #[serde(default)]
     pub tenants: HashMap<String, TenantSpec>,
-}
-
-fn default_header() -> String {
-    "x-envelope-tenant".into()
+    /// API key -> tenant, built by [`TenantsFile::from_toml`] / [`TenantsFile::index`].
+    #[serde(skip)]
+    keys: HashMap<String, String>,
 }
 
 impl Default for TenantsFile {
     fn default() -> Self {
         TenantsFile {
-            header: default_header(),
+            trusted_header: None,
             default_burst: 1.0,
+            default_classes: None,
             tenants: HashMap::new(),
+            keys: HashMap::new(),
         }
     }
 }
 
+/// The longest tenant name a trusted header may carry.
+pub const MAX_TENANT_NAME: usize = 64;
+
+/// A tenant name from a trusted header: 1 to 64 of `A-Z a-z 0-9 . _ - : @`.
+pub fn valid_tenant_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_TENANT_NAME
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:@".contains(&b))
+}
+
 impl TenantsFile {
     pub fn from_toml(text: &str, path: &str) -> Result<TenantsFile, String> {
-        let t: TenantsFile = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
+        let mut t: TenantsFile = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
         t.shares()
             .and_then(|s| validate_shares(&s))
             .map_err(|e| format!("{path}: {e}"))?;
@@ -140,7 +169,20 @@ impl TenantsFile {
                     "{path}: tenant `{name}`: `weight` must be positive"
                 ));
             }
+            if !valid_tenant_name(name) {
+                return Err(format!(
+                    "{path}: tenant `{name}`: names are 1 to {MAX_TENANT_NAME} of A-Z a-z 0-9 . _ - : @"
+                ));
+            }
+            if spec.classes.as_ref().is_some_and(Vec::is_empty) {
+                return Err(format!(
+                    "{path}: tenant `{name}`: `classes` is empty (leave it out for both)"
+                ));
+            }
             for k in &spec.api_keys {
+                if k.trim().is_empty() {
+                    return Err(format!("{path}: tenant `{name}`: an API key is empty"));
+                }
                 if let Some(other) = seen.insert(k.clone(), name.clone()) {
                     return Err(format!(
                         "{path}: an API key is listed for both `{other}` and `{name}`"
@@ -148,7 +190,45 @@ impl TenantsFile {
                 }
             }
         }
+        if t.default_classes.as_ref().is_some_and(Vec::is_empty) {
+            return Err(format!(
+                "{path}: `default_classes` is empty (leave it out for both)"
+            ));
+        }
+        if let Some(h) = &t.trusted_header {
+            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+                return Err(format!(
+                    "{path}: `trusted_header` `{h}` is not a valid header name"
+                ));
+            }
+            t.trusted_header = Some(h.to_ascii_lowercase());
+        }
+        t.index();
         Ok(t)
+    }
+
+    /// Builds the API key index (after the tenants were set by hand).
+    pub fn index(&mut self) {
+        self.keys = self
+            .tenants
+            .iter()
+            .flat_map(|(name, spec)| spec.api_keys.iter().map(move |k| (k.clone(), name.clone())))
+            .collect();
+    }
+
+    /// Whether any tenant has API keys (then every request needs one).
+    pub fn keys_required(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
+    /// The classes `tenant` may use, its default first.
+    pub fn classes_of(&self, tenant: &str) -> &[Class] {
+        const BOTH: &[Class] = &[Class::Interactive, Class::Batch];
+        self.tenants
+            .get(tenant)
+            .and_then(|t| t.classes.as_deref())
+            .or(self.default_classes.as_deref())
+            .unwrap_or(BOTH)
     }
 
     pub fn shares(&self) -> Result<HashMap<String, Share>, String> {
@@ -174,12 +254,10 @@ impl TenantsFile {
             .collect()
     }
 
-    /// Tenant of an API key (the bearer token), if mapped.
+    /// Tenant of an API key (the bearer token), if mapped. A hash lookup:
+    /// its time does not depend on how much of a key matches.
     pub fn tenant_of_key(&self, key: &str) -> Option<&str> {
-        self.tenants
-            .iter()
-            .find(|(_, v)| v.api_keys.iter().any(|k| k == key))
-            .map(|(name, _)| name.as_str())
+        self.keys.get(key).map(String::as_str)
     }
 }
 
@@ -213,6 +291,48 @@ pub struct Settings {
     pub over_budget: OverBudget,
     /// The latency guard (proxied TTFT/ITL/e2e against the profile's SLOs).
     pub latency: crate::latency::LatencyConfig,
+    /// A client's request headers must arrive within this, ms.
+    pub header_read_timeout_ms: u64,
+    /// Most client connections open at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// TCP connect to the upstream, ms.
+    pub connect_timeout_ms: u64,
+    /// A request's whole lifetime, queue and answer, ms: a stream still
+    /// running then is ended with an SSE error event.
+    pub max_request_ms: u64,
+    /// GET paths forwarded to the upstream (exact, or a prefix ending in `*`).
+    pub passthrough_paths: Vec<String>,
+    /// Counting a request's prompt tokens (one upstream /tokenize call, or
+    /// the local tokenizer), ms; past it the conservative estimate counts.
+    pub count_timeout_ms: u64,
+    /// Requests being counted at once; more wait (within the count timeout).
+    pub max_counting: usize,
+    /// Prompt tokens charged per image part of a chat message.
+    pub image_part_tokens: u64,
+    /// Prompt tokens charged per audio part of a chat message.
+    pub audio_part_tokens: u64,
+}
+
+/// The GET paths forwarded by default: model listing and health.
+pub fn default_passthrough_paths() -> Vec<String> {
+    [
+        "/v1/models",
+        "/v1/models/*",
+        "/health",
+        "/healthz",
+        "/ready",
+        "/version",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Whether `path` is in an allowlist of exact paths and `prefix*` entries.
+pub fn path_allowed(list: &[String], path: &str) -> bool {
+    list.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => path.starts_with(prefix) && !path[prefix.len()..].contains(".."),
+        None => p == path,
+    })
 }
 
 impl Settings {
@@ -244,6 +364,15 @@ impl Settings {
             batch_ttft_budget_ms: None,
             over_budget: OverBudget::Shed,
             latency: crate::latency::LatencyConfig::default(),
+            header_read_timeout_ms: 10_000,
+            max_connections: 4096,
+            connect_timeout_ms: 5_000,
+            max_request_ms: 900_000,
+            passthrough_paths: default_passthrough_paths(),
+            count_timeout_ms: 2_000,
+            max_counting: 64,
+            image_part_tokens: 2048,
+            audio_part_tokens: 2048,
         }
     }
 
@@ -281,6 +410,21 @@ impl Settings {
         }
         if self.max_queue_age_ms == 0 || self.max_body_bytes == 0 {
             return Err("`max_queue_age_ms` and `max_body_bytes` must be at least 1".into());
+        }
+        for (name, v) in [
+            ("header_read_timeout_ms", self.header_read_timeout_ms),
+            ("max_connections", self.max_connections as u64),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("max_request_ms", self.max_request_ms),
+            ("count_timeout_ms", self.count_timeout_ms),
+            ("max_counting", self.max_counting as u64),
+        ] {
+            if v == 0 {
+                return Err(format!("`{name}` must be at least 1"));
+            }
+        }
+        if let Some(p) = self.passthrough_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(format!("`passthrough_paths`: `{p}` must start with /"));
         }
         let (small, reject) = (self.ladder.small_kv_usage, self.ladder.reject_kv_usage);
         if !(0.0 < small && small <= reject && reject <= 1.0) {
@@ -349,7 +493,7 @@ mod tests {
             "t.toml",
         )
         .unwrap();
-        assert_eq!(t.header, "x-envelope-tenant");
+        assert_eq!(t.trusted_header, None);
         assert_eq!(t.tenant_of_key("k2"), Some("alice"));
         assert_eq!(t.tenant_of_key("k3"), None);
         assert_eq!(t.weights()["bob"], 2.0);

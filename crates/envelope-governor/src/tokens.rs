@@ -1,18 +1,26 @@
 //! Counting prompt tokens, from the best source configured: token-id
-//! prompts count exactly; otherwise the served model's `tokenizer.json`
-//! (the `tokenizers` crate), or the upstream's `POST /tokenize` (vLLM's
-//! shape, which `envelope serve` also has: `{"prompt"}` or `{"messages"}` ->
-//! `{"count"}`), or a conservative estimate (bytes / `bytes_per_token`,
-//! rounded up) that is labelled as such in the `x-envelope-token-count`
-//! header and the metrics.
+//! prompts count exactly; otherwise the served model's tokenizer (from its
+//! `.gguf` file or a `tokenizer.json`, run on a blocking thread), or the upstream's
+//! `POST /tokenize` (vLLM's shape, which `envelope serve` also has:
+//! `{"prompt"}` or `{"messages"}` -> `{"count"}`), at most one call per
+//! request, or an estimate that is labelled as such in the
+//! `x-envelope-token-count` header and the metrics.
 //!
-//! Chat prompts with a local tokenizer are counted as the content tokens
-//! plus [`CHAT_OVERHEAD_PER_MESSAGE`] per message for the template's role
+//! The estimate is an upper bound by default: one token per byte of UTF-8
+//! (a byte-level BPE or byte-fallback tokenizer never makes more), so no
+//! text, however crafted (`"a a a"`, punctuation, digits, random letters),
+//! is under-counted. `bytes_per_token` above 1 trades that bound for less
+//! over-reservation on ordinary text.
+//!
+//! Chat prompts counted locally are the flattened messages' tokens plus
+//! [`CHAT_OVERHEAD_PER_MESSAGE`] per message for the template's role
 //! markers (an over-estimate for ChatML and Llama-3 templates, which add
-//! 4-5); `/tokenize` applies the real template.
+//! 4-5); `/tokenize` applies the real template. The caller adds the media
+//! parts' configured cost.
 
 use crate::error::GovernError;
-use crate::request::{message_text, ParsedRequest, Prompts};
+use crate::request::{ChatText, ParsedRequest, Prompts};
+use envelope_tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,10 +28,13 @@ use std::time::Duration;
 pub const CHAT_OVERHEAD_PER_MESSAGE: u64 = 8;
 /// Tokens for the assistant turn's opening that the template appends.
 pub const CHAT_OVERHEAD_REPLY: u64 = 8;
+/// Tokens a tokenizer may add around a prompt (BOS and the like).
+pub const SPECIAL_TOKENS_PER_PROMPT: u64 = 2;
 
 #[derive(Clone)]
 pub enum TokenCounter {
-    Tokenizer(Arc<tokenizers::Tokenizer>),
+    /// The served model's own: from its `.gguf` file or a `tokenizer.json`.
+    Tokenizer(Arc<TextTokenizer>),
     Upstream {
         client: reqwest::Client,
         url: String,
@@ -66,51 +77,67 @@ impl std::fmt::Debug for TokenCounter {
     }
 }
 
-/// bytes / bytes_per_token, rounded up, at least 1.
+/// The default of `bytes_per_token`: one token per byte, an upper bound.
+pub const BOUND_BYTES_PER_TOKEN: f64 = 1.0;
+
+/// bytes / bytes_per_token, rounded up, plus the special tokens a
+/// tokenizer may add. With `bytes_per_token` 1 it is never below a
+/// byte-level tokenizer's count.
 pub fn estimate_tokens(text: &str, bytes_per_token: f64) -> u64 {
-    ((text.len() as f64 / bytes_per_token.max(0.1)).ceil() as u64).max(1)
+    (text.len() as f64 / bytes_per_token.max(0.1)).ceil() as u64 + SPECIAL_TOKENS_PER_PROMPT
+}
+
+/// The estimate of a flattened chat prompt (no media).
+pub fn estimate_chat(chat: &ChatText, bytes_per_token: f64) -> u64 {
+    chat_tokens(chat, |t| estimate_tokens(t, bytes_per_token))
+}
+
+fn chat_tokens(chat: &ChatText, mut count: impl FnMut(&str) -> u64) -> u64 {
+    chat.messages
+        .iter()
+        .map(|(_, text)| count(text) + CHAT_OVERHEAD_PER_MESSAGE)
+        .sum::<u64>()
+        + CHAT_OVERHEAD_REPLY
+}
+
+/// The estimate of every group of `req` (the fallback of any counter).
+pub fn estimate(req: &ParsedRequest, bytes_per_token: f64) -> Vec<u64> {
+    match &req.prompts {
+        Prompts::Tokens(t) => t.iter().map(|x| x.len() as u64).collect(),
+        Prompts::Texts(v) => v
+            .iter()
+            .map(|p| estimate_tokens(p, bytes_per_token))
+            .collect(),
+        Prompts::Messages(c) => vec![estimate_chat(c, bytes_per_token)],
+    }
+}
+
+fn encode_len(t: &TextTokenizer, text: &str) -> u64 {
+    t.encode(text)
+        .map(|e| e.len() as u64)
+        // A text the tokenizer rejects is counted as one token per byte.
+        .unwrap_or(text.len() as u64)
 }
 
 impl TokenCounter {
-    /// Loads a `tokenizer.json`.
+    /// Loads the model's tokenizer from its `.gguf` file (the vocabulary
+    /// in its metadata) or a `tokenizer.json`.
     pub fn from_tokenizer_file(path: &std::path::Path) -> Result<TokenCounter, String> {
-        tokenizers::Tokenizer::from_file(path)
+        TextTokenizer::from_path(path)
             .map(|t| TokenCounter::Tokenizer(Arc::new(t)))
             .map_err(|e| format!("loading tokenizer {}: {e}", path.display()))
     }
 
-    fn local(&self, text: &str) -> u64 {
-        match self {
-            TokenCounter::Tokenizer(t) => t
-                .encode(text, false)
-                .map(|e| e.len() as u64)
-                // A text the tokenizer rejects is counted as one token per byte.
-                .unwrap_or(text.len() as u64),
-            TokenCounter::Estimate { bytes_per_token } => estimate_tokens(text, *bytes_per_token),
-            TokenCounter::Upstream { .. } => estimate_tokens(text, 1.0),
-        }
-    }
-
-    fn local_source(&self) -> CountSource {
-        match self {
-            TokenCounter::Tokenizer(_) => CountSource::Tokenizer,
-            _ => CountSource::Estimate,
-        }
-    }
-
-    fn local_messages(&self, msgs: &[Value]) -> u64 {
-        msgs.iter()
-            .map(|m| self.local(&message_text(m)) + CHAT_OVERHEAD_PER_MESSAGE)
-            .sum::<u64>()
-            + CHAT_OVERHEAD_REPLY
-    }
-
-    /// Prompt tokens per sequence group.
+    /// Prompt tokens per sequence group (without media parts).
+    ///
+    /// At most one upstream call: a single prompt or a chat goes to
+    /// `/tokenize`; a list of several prompts is estimated. An upstream
+    /// that answers `/tokenize` with an error (it may not have the
+    /// endpoint) falls back to the estimate (one token per byte).
     ///
     /// # Errors
-    /// Only the upstream counter fails: 502 when `/tokenize` is unreachable.
-    /// An upstream that answers `/tokenize` with an error (it may not have
-    /// the endpoint) falls back to the estimate with one token per byte.
+    /// Only the upstream counter fails: 502 when `/tokenize` is unreachable,
+    /// 504 when it does not answer within its timeout.
     pub async fn count(&self, req: &ParsedRequest) -> Result<(Vec<u64>, CountSource), GovernError> {
         if let Prompts::Tokens(t) = &req.prompts {
             return Ok((
@@ -119,60 +146,58 @@ impl TokenCounter {
             ));
         }
         match self {
+            TokenCounter::Estimate { bytes_per_token } => {
+                Ok((estimate(req, *bytes_per_token), CountSource::Estimate))
+            }
+            TokenCounter::Tokenizer(t) => {
+                let t = t.clone();
+                let prompts = req.prompts.clone();
+                // Encoding is CPU work: off the async worker threads.
+                let counts = tokio::task::spawn_blocking(move || match &prompts {
+                    Prompts::Texts(v) => v.iter().map(|p| encode_len(&t, p)).collect(),
+                    Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(&t, x))],
+                    Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
+                })
+                .await
+                .map_err(|e| GovernError::invalid(None, format!("counting failed: {e}")))?;
+                Ok((counts, CountSource::Tokenizer))
+            }
             TokenCounter::Upstream {
                 client,
                 url,
                 timeout,
             } => {
-                let bodies: Vec<Value> = match &req.prompts {
-                    Prompts::Texts(v) => v.iter().map(|p| json!({ "prompt": p })).collect(),
-                    Prompts::Messages(m) => vec![json!({ "messages": m })],
-                    Prompts::Tokens(_) => unreachable!("handled above"),
+                let body = match &req.prompts {
+                    Prompts::Texts(v) if v.len() == 1 => json!({ "prompt": v[0] }),
+                    Prompts::Messages(c) => json!({ "messages": c.as_messages() }),
+                    _ => return Ok((estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate)),
                 };
-                let mut counts = Vec::with_capacity(bodies.len());
-                let mut source = CountSource::Upstream;
-                for b in bodies {
-                    let resp = client
-                        .post(url)
-                        .json(&b)
-                        .timeout(*timeout)
-                        .send()
-                        .await
-                        .map_err(|e| {
-                            if e.is_timeout() {
-                                GovernError::UpstreamTimeout(format!("{url}: {e}"))
-                            } else {
-                                GovernError::UpstreamUnreachable(format!("{url}: {e}"))
-                            }
-                        })?;
-                    let count = if resp.status().is_success() {
-                        resp.json::<Value>()
-                            .await
-                            .ok()
-                            .and_then(|v| v.get("count").and_then(Value::as_u64))
-                    } else {
-                        None
-                    };
-                    match count {
-                        Some(c) => counts.push(c),
-                        None => {
-                            source = CountSource::Estimate;
-                            counts.push(match &req.prompts {
-                                Prompts::Messages(m) => self.local_messages(m),
-                                _ => estimate_tokens(b["prompt"].as_str().unwrap_or(""), 1.0),
-                            });
+                let resp = client
+                    .post(url)
+                    .json(&body)
+                    .timeout(*timeout)
+                    .send()
+                    .await
+                    .map_err(|e| {
+                        tracing::warn!("{url}: {e}");
+                        if e.is_timeout() {
+                            GovernError::UpstreamTimeout("counting the prompt's tokens".into())
+                        } else {
+                            GovernError::UpstreamUnreachable("counting the prompt's tokens".into())
                         }
-                    }
-                }
-                Ok((counts, source))
-            }
-            _ => {
-                let counts = match &req.prompts {
-                    Prompts::Texts(v) => v.iter().map(|p| self.local(p)).collect(),
-                    Prompts::Messages(m) => vec![self.local_messages(m)],
-                    Prompts::Tokens(_) => unreachable!("handled above"),
+                    })?;
+                let count = if resp.status().is_success() {
+                    resp.json::<Value>()
+                        .await
+                        .ok()
+                        .and_then(|v| v.get("count").and_then(Value::as_u64))
+                } else {
+                    None
                 };
-                Ok((counts, self.local_source()))
+                Ok(match count {
+                    Some(c) => (vec![c], CountSource::Upstream),
+                    None => (estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate),
+                })
             }
         }
     }
@@ -185,10 +210,16 @@ mod tests {
 
     #[test]
     fn estimate_rounds_up() {
-        assert_eq!(estimate_tokens("abcdefg", 3.0), 3);
-        assert_eq!(estimate_tokens("abc", 3.0), 1);
-        assert_eq!(estimate_tokens("", 3.0), 1);
-        assert_eq!(estimate_tokens("abcd", 1.0), 4);
+        let s = SPECIAL_TOKENS_PER_PROMPT;
+        assert_eq!(estimate_tokens("abcdefg", 3.0), 3 + s);
+        assert_eq!(estimate_tokens("abc", 3.0), 1 + s);
+        assert_eq!(estimate_tokens("", 3.0), s);
+        assert_eq!(estimate_tokens("abcd", 1.0), 4 + s);
+        // The default bound: "a a a ..." is about one token per two bytes
+        // and punctuation one per byte; neither is under-counted.
+        let a = "a ".repeat(500);
+        assert!(estimate_tokens(&a, BOUND_BYTES_PER_TOKEN) >= 1000);
+        assert!(estimate_tokens("!?.,;:", BOUND_BYTES_PER_TOKEN) >= 6);
     }
 
     #[tokio::test]
@@ -209,16 +240,17 @@ mod tests {
             bytes_per_token: 3.0,
         };
         let r = parse(Endpoint::Completions, br#"{"prompt":["abcdef","abcdefg"]}"#).unwrap();
+        let sp = SPECIAL_TOKENS_PER_PROMPT;
         assert_eq!(
             c.count(&r).await.unwrap(),
-            (vec![2, 3], CountSource::Estimate)
+            (vec![2 + sp, 3 + sp], CountSource::Estimate)
         );
         let r = parse(
             Endpoint::Chat,
             br#"{"messages":[{"role":"system","content":"abc"},{"role":"user","content":[{"type":"text","text":"abcdef"}]}]}"#,
         )
         .unwrap();
-        let want = 1 + 2 + 2 * CHAT_OVERHEAD_PER_MESSAGE + CHAT_OVERHEAD_REPLY;
+        let want = 1 + 2 + 2 * sp + 2 * CHAT_OVERHEAD_PER_MESSAGE + CHAT_OVERHEAD_REPLY;
         assert_eq!(
             c.count(&r).await.unwrap(),
             (vec![want], CountSource::Estimate)

@@ -198,7 +198,10 @@ pub fn measure(
     };
     let cand = load(precision)?;
     let refm = reference.map(load).transpose()?;
-    let tokens = cand.tokenizer.encode(text)?;
+    let tokens = cand
+        .tokenizer
+        .encode(text)
+        .map_err(envelope_engine::EngineError::from)?;
     if tokens.len() < 2 {
         return Err(QualityError::TooShort {
             tokens: tokens.len(),

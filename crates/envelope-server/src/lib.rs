@@ -121,7 +121,7 @@ async fn tokenize(
     let tokens = e
         .tokenizer
         .encode(&text)
-        .map_err(|e| ApiError::from_engine(e, "prompt"))?;
+        .map_err(|e| ApiError::from_engine(e.into(), "prompt"))?;
     Ok(Json(
         json!({"count": tokens.len(), "max_model_len": e.info.max_model_len, "tokens": tokens, "token_strs": null}),
     ))
@@ -160,11 +160,11 @@ async fn completions(
         Prompt::Text(s) => e
             .tokenizer
             .encode(&s)
-            .map_err(|e| ApiError::from_engine(e, "prompt"))?,
+            .map_err(|e| ApiError::from_engine(e.into(), "prompt"))?,
         Prompt::Texts(v) if v.len() == 1 => e
             .tokenizer
             .encode(&v[0])
-            .map_err(|e| ApiError::from_engine(e, "prompt"))?,
+            .map_err(|e| ApiError::from_engine(e.into(), "prompt"))?,
         Prompt::Texts(_) => {
             return Err(ApiError::invalid(
                 Some("prompt".into()),
@@ -202,7 +202,7 @@ async fn chat_completions(
     let prompt_tokens = e
         .tokenizer
         .encode(&text)
-        .map_err(|e| ApiError::from_engine(e, "messages"))?;
+        .map_err(|e| ApiError::from_engine(e.into(), "messages"))?;
     // Like vLLM: without a limit, the rest of the context.
     let default_max = e
         .info

@@ -34,6 +34,16 @@ pub struct Fake {
     pub kv_in_flight: AtomicI64,
     pub max_kv_in_flight: AtomicI64,
     pub last_body: Mutex<Option<Value>>,
+    /// /tokenize: calls, most at once, and a delay before answering.
+    pub tokenize_calls: AtomicU64,
+    pub tokenize_in_flight: AtomicI64,
+    pub max_tokenize_in_flight: AtomicI64,
+    pub tokenize_delay_ms: AtomicU64,
+    /// The completion endpoints answer 307 to /elsewhere.
+    pub redirect: AtomicBool,
+    /// Requests that reached /elsewhere, and any path without a route.
+    pub elsewhere_hits: AtomicU64,
+    pub other_hits: AtomicU64,
 }
 
 /// Decrements the in-flight counters when the handler or its stream ends.
@@ -88,6 +98,13 @@ async fn generate(State(fake): State<Arc<Fake>>, body: Bytes) -> Response {
     fake.requests.fetch_add(1, Ordering::SeqCst);
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *fake.last_body.lock().unwrap() = Some(v.clone());
+    if fake.redirect.load(Ordering::SeqCst) {
+        return Response::builder()
+            .status(307)
+            .header("location", "/elsewhere")
+            .body(Body::empty())
+            .unwrap();
+    }
     if fake.hang.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_secs(3600)).await;
     }
@@ -143,7 +160,15 @@ async fn generate(State(fake): State<Arc<Fake>>, body: Bytes) -> Response {
     .into_response()
 }
 
-async fn tokenize(Json(v): Json<Value>) -> Json<Value> {
+async fn tokenize(State(fake): State<Arc<Fake>>, Json(v): Json<Value>) -> Json<Value> {
+    fake.tokenize_calls.fetch_add(1, Ordering::SeqCst);
+    let now = fake.tokenize_in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    fake.max_tokenize_in_flight.fetch_max(now, Ordering::SeqCst);
+    let delay = fake.tokenize_delay_ms.load(Ordering::SeqCst);
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    fake.tokenize_in_flight.fetch_sub(1, Ordering::SeqCst);
     Json(json!({"count": prompt_tokens(&v) + if v.get("messages").is_some() { 5 } else { 0 }}))
 }
 
@@ -171,6 +196,17 @@ pub async fn fake_upstream() -> (Arc<Fake>, String) {
         )
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
+        .route(
+            "/elsewhere",
+            axum::routing::any(|State(f): State<Arc<Fake>>| async move {
+                f.elsewhere_hits.fetch_add(1, Ordering::SeqCst);
+                "elsewhere"
+            }),
+        )
+        .fallback(|State(f): State<Arc<Fake>>| async move {
+            f.other_hits.fetch_add(1, Ordering::SeqCst);
+            "an upstream debug page"
+        })
         .with_state(fake.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -258,6 +294,28 @@ pub async fn start_with(
     tune: impl FnOnce(&mut Settings),
     counter: Option<TokenCounter>,
 ) -> Gov {
+    start_until(
+        fake,
+        upstream,
+        limits,
+        tune,
+        counter,
+        std::future::pending(),
+    )
+    .await
+    .0
+}
+
+/// As [`start_with`], serving until `shutdown` resolves; the handle ends
+/// when the server has returned.
+pub async fn start_until(
+    fake: Arc<Fake>,
+    upstream: String,
+    limits: Limits,
+    tune: impl FnOnce(&mut Settings),
+    counter: Option<TokenCounter>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> (Gov, tokio::task::JoinHandle<std::io::Result<()>>) {
     let mut s = Settings::new(limits, "test-profile");
     tune(&mut s);
     s.validate().unwrap();
@@ -270,18 +328,15 @@ pub async fn start_with(
     let state = Arc::new(AppState::new(gov.clone(), &upstream, counter));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(envelope_governor::serve(
-        listener,
-        state,
-        std::future::pending(),
-    ));
-    Gov {
+    let served = tokio::spawn(envelope_governor::serve(listener, state, shutdown));
+    let g = Gov {
         gov,
         base: format!("http://{addr}"),
         fake,
         upstream,
         client: reqwest::Client::new(),
-    }
+    };
+    (g, served)
 }
 
 /// The value of an unlabelled or exactly-labelled sample in Prometheus text.

@@ -1,9 +1,10 @@
 //! Text <-> token ids. Built from a GGUF file's metadata (the gpt2-style BPE
 //! vocab and merges, with the pre-tokenizer llama.cpp picks for the file's
 //! `tokenizer.ggml.pre`), from a `tokenizer.json`, or, for `dummy:` models
-//! with no tokenizer given, a byte tokenizer (one id per byte).
+//! with no tokenizer given, a byte tokenizer (one id per byte). The engine
+//! uses it to run models; the governor to count prompt tokens without a
+//! round trip to the server ([`TextTokenizer::from_path`]).
 
-use crate::error::{EngineError, Result};
 use candle_core::quantized::gguf_file;
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -30,8 +31,15 @@ pub struct TextTokenizer {
     special: Vec<(u32, String)>,
 }
 
-fn tok_err(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Tokenizer(e.to_string())
+/// A tokenizer that could not be built, or text it could not handle.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("tokenizer: {0}")]
+pub struct TokenizerError(pub String);
+
+pub type Result<T> = std::result::Result<T, TokenizerError>;
+
+fn tok_err(e: impl std::fmt::Display) -> TokenizerError {
+    TokenizerError(e.to_string())
 }
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -75,7 +83,7 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
 impl TextTokenizer {
     pub fn from_gguf(path: &Path, content: &gguf_file::Content) -> Result<TextTokenizer> {
         let md = &content.metadata;
-        let err = |m: String| EngineError::Tokenizer(format!("{}: {m}", path.display()));
+        let err = |m: String| TokenizerError(format!("{}: {m}", path.display()));
         let model = md
             .get("tokenizer.ggml.model")
             .and_then(|v| v.to_string().ok())
@@ -156,10 +164,26 @@ impl TextTokenizer {
         })
     }
 
+    /// A `.gguf` file's vocabulary (only its metadata is read) or a
+    /// `tokenizer.json`, by the file's extension.
+    pub fn from_path(path: &Path) -> Result<TextTokenizer> {
+        let gguf = path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+        if !gguf {
+            return TextTokenizer::from_file(path);
+        }
+        let mut f = std::fs::File::open(path)
+            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
+        let content = gguf_file::Content::read(&mut f)
+            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
+        TextTokenizer::from_gguf(path, &content)
+    }
+
     /// A `tokenizer.json`; whether BOS is added is up to its post-processor.
     pub fn from_file(path: &Path) -> Result<TextTokenizer> {
         let tk = Tokenizer::from_file(path)
-            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
         let special = tk
             .get_added_tokens_decoder()
             .into_iter()
@@ -191,7 +215,7 @@ impl TextTokenizer {
     pub fn save(&self, path: &Path) -> Result<()> {
         match &self.inner {
             Inner::Hf(t) => t.save(path, false).map_err(tok_err),
-            Inner::Bytes { .. } => Err(EngineError::Tokenizer(
+            Inner::Bytes { .. } => Err(TokenizerError(
                 "the byte tokenizer has no tokenizer.json".into(),
             )),
         }

@@ -1,0 +1,171 @@
+//! Who a request is charged to, and in which class. The tenant comes from
+//! the header a trusted front proxy sets (when the tenants file names one
+//! and the request carries it), else from the API key (when any are
+//! configured, a request without a known key is refused with 401), else it
+//! is `default`; whatever else a client writes (`x-envelope-tenant`, say)
+//! counts for nothing. The class is the client's `x-envelope-class` if the
+//! tenant may use it (else 403), or the tenant's first allowed class.
+
+use crate::error::GovernError;
+use crate::queue::Class;
+use crate::settings::{valid_tenant_name, TenantsFile, MAX_TENANT_NAME};
+use axum::http::HeaderMap;
+
+pub const CLASS_HEADER: &str = "x-envelope-class";
+/// The tenant of requests without a trusted header or an API key.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// A request's tenant and class.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub tenant: String,
+    pub class: Class,
+}
+
+fn bearer(h: &HeaderMap) -> Option<&str> {
+    let v = h.get("authorization")?.to_str().ok()?;
+    let (scheme, key) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+}
+
+/// The tenant of a request.
+///
+/// # Errors
+/// 401 when API keys are configured and the request has none that is
+/// known; 400 when the trusted header holds no valid tenant name.
+pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
+    if let Some(name) = t.trusted_header.as_deref().and_then(|n| h.get(n)) {
+        let name = name.to_str().unwrap_or("").trim();
+        if !valid_tenant_name(name) {
+            return Err(GovernError::invalid(
+                None,
+                format!(
+                    "the tenant header must hold 1 to {MAX_TENANT_NAME} of A-Z a-z 0-9 . _ - : @"
+                ),
+            ));
+        }
+        return Ok(name.to_string());
+    }
+    if !t.keys_required() {
+        return Ok(DEFAULT_TENANT.to_string());
+    }
+    match bearer(h) {
+        None => Err(GovernError::Unauthorized(
+            "this server needs an API key: send `Authorization: Bearer <key>`".into(),
+        )),
+        Some(key) => t.tenant_of_key(key).map(str::to_string).ok_or_else(|| {
+            GovernError::Unauthorized("the API key given is not known to this server".into())
+        }),
+    }
+}
+
+/// The class of a request of `tenant`.
+///
+/// # Errors
+/// 400 for a class header that is neither `interactive` nor `batch`; 403
+/// for a class the tenant may not use.
+pub fn class(t: &TenantsFile, tenant: &str, h: &HeaderMap) -> Result<Class, GovernError> {
+    let allowed = t.classes_of(tenant);
+    let Some(v) = h.get(CLASS_HEADER) else {
+        return Ok(allowed[0]);
+    };
+    let c = v.to_str().ok().and_then(Class::parse).ok_or_else(|| {
+        GovernError::invalid(
+            None,
+            format!("header {CLASS_HEADER} must be interactive or batch"),
+        )
+    })?;
+    if !allowed.contains(&c) {
+        let list: Vec<&str> = allowed.iter().map(|c| c.label()).collect();
+        return Err(GovernError::Forbidden(format!(
+            "tenant `{tenant}` may not use class `{}` (allowed: {})",
+            c.label(),
+            list.join(", ")
+        )));
+    }
+    Ok(c)
+}
+
+/// Both, for a request's headers.
+pub fn identify(t: &TenantsFile, h: &HeaderMap) -> Result<Identity, GovernError> {
+    let tenant = tenant(t, h)?;
+    let class = class(t, &tenant, h)?;
+    Ok(Identity { tenant, class })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn file(text: &str) -> TenantsFile {
+        TenantsFile::from_toml(text, "t.toml").unwrap()
+    }
+
+    #[test]
+    fn a_client_named_tenant_counts_for_nothing() {
+        let t = TenantsFile::default();
+        let h = headers(&[("x-envelope-tenant", "alice")]);
+        assert_eq!(tenant(&t, &h).unwrap(), DEFAULT_TENANT);
+    }
+
+    #[test]
+    fn keys_when_configured_are_required() {
+        let t = file("[tenants.alice]\napi_keys = [\"sk-a\"]\n");
+        assert_eq!(
+            tenant(&t, &headers(&[("authorization", "Bearer sk-a")])).unwrap(),
+            "alice"
+        );
+        assert_eq!(
+            tenant(&t, &headers(&[("authorization", "bearer  sk-a ")])).unwrap(),
+            "alice"
+        );
+        for h in [
+            headers(&[]),
+            headers(&[("authorization", "Bearer sk-b")]),
+            headers(&[("authorization", "sk-a")]),
+            headers(&[("x-envelope-tenant", "alice")]),
+        ] {
+            assert_eq!(tenant(&t, &h).unwrap_err().status().as_u16(), 401);
+        }
+    }
+
+    #[test]
+    fn a_trusted_header_names_the_tenant() {
+        let t = file("trusted_header = \"X-Tenant\"\n[tenants.alice]\napi_keys = [\"sk-a\"]\n");
+        assert_eq!(tenant(&t, &headers(&[("x-tenant", "bob")])).unwrap(), "bob");
+        let e = tenant(&t, &headers(&[("x-tenant", "bad name!")])).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        // Without it, the key decides.
+        assert_eq!(
+            tenant(&t, &headers(&[("authorization", "Bearer sk-a")])).unwrap(),
+            "alice"
+        );
+    }
+
+    #[test]
+    fn classes_are_the_tenants() {
+        let t = file("default_classes = [\"batch\"]\n[tenants.alice]\nclasses = [\"interactive\", \"batch\"]\n");
+        assert_eq!(class(&t, "default", &headers(&[])).unwrap(), Class::Batch);
+        let e = class(&t, "default", &headers(&[(CLASS_HEADER, "interactive")])).unwrap_err();
+        assert_eq!(e.status().as_u16(), 403);
+        assert_eq!(
+            class(&t, "alice", &headers(&[(CLASS_HEADER, "batch")])).unwrap(),
+            Class::Batch
+        );
+        assert_eq!(
+            class(&t, "alice", &headers(&[])).unwrap(),
+            Class::Interactive
+        );
+        let e = class(&t, "alice", &headers(&[(CLASS_HEADER, "urgent")])).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+    }
+}

@@ -1,0 +1,284 @@
+//! The answer's way back: the upstream's body streamed to the client chunk
+//! by chunk with the permit riding inside the stream, so the reservation is
+//! released when the stream ends, fails, is cut, or the client goes away.
+//! Each stream ends at the first of: the upstream's end, an upstream error,
+//! a silence longer than the idle timeout, the request's lifetime, or the
+//! drain timeout. An SSE stream then gets an OpenAI-shaped error event; a
+//! non-streaming body is cut (the client sees a broken response, not a
+//! short one that looks whole).
+
+use super::AppState;
+use crate::admission::{Governor, Permit};
+use crate::metrics::label;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::Response;
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// What rides inside the response body stream.
+struct Flow {
+    inner: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+    permit: Option<Permit>,
+    gov: Arc<Governor>,
+    sse: bool,
+    sent_at: Option<Instant>,
+    first_chunk: Option<Instant>,
+    last_chunk: Option<Instant>,
+    /// A 2xx answer: its timings feed the latency guard.
+    ok: bool,
+    /// When the last chunk went to the client, and whether the client ever
+    /// took long to ask for the next: chunks are timed as the client reads
+    /// them, so a slow reader's timings say nothing of the upstream and
+    /// must not move the latency guard for everyone.
+    yielded_at: Option<Instant>,
+    slow_reader: bool,
+    idle: Duration,
+    /// The end of the request's lifetime.
+    end: Instant,
+    cut: watch::Receiver<bool>,
+    /// The last bytes seen, for the `usage` object at the end.
+    tail: Vec<u8>,
+    events: u64,
+    done: bool,
+}
+
+const TAIL_BYTES: usize = 4096;
+
+/// A client that takes longer than this to ask for the next chunk is
+/// reading slowly (a fast one asks within microseconds).
+const SLOW_READER_GAP: Duration = Duration::from_millis(50);
+
+pub(super) fn find_number(hay: &str, key: &str) -> Option<u64> {
+    let i = hay.rfind(key)?;
+    let rest = hay[i + key.len()..].trim_start_matches([' ', ':', '"']);
+    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse().ok()
+}
+
+/// Why a stream ended early.
+enum Stop {
+    UpstreamError(String),
+    UpstreamSilent,
+    Lifetime,
+    Drain,
+}
+
+impl Stop {
+    fn code(&self) -> &'static str {
+        match self {
+            Stop::UpstreamError(_) => "upstream_stream_error",
+            Stop::UpstreamSilent => "upstream_stream_timeout",
+            Stop::Lifetime => "request_lifetime",
+            Stop::Drain => "draining",
+        }
+    }
+    fn upstream_fault(&self) -> bool {
+        matches!(self, Stop::UpstreamError(_) | Stop::UpstreamSilent)
+    }
+    fn message(&self, f: &Flow) -> String {
+        match self {
+            Stop::UpstreamError(e) => format!("the upstream failed mid-stream: {e}"),
+            Stop::UpstreamSilent => format!(
+                "the upstream failed mid-stream: no data for {} ms",
+                f.idle.as_millis()
+            ),
+            Stop::Lifetime => {
+                "the request ran past its lifetime (max_request_ms) and was ended".into()
+            }
+            Stop::Drain => {
+                "the governor is shutting down; the request was ended at the drain timeout".into()
+            }
+        }
+    }
+}
+
+impl Flow {
+    /// The request's timings for the latency guard: TTFT and mean gap
+    /// between events of a stream (events, not chunks, so coalesced chunks
+    /// do not hide gaps), or the whole time of a non-streaming answer.
+    fn timings(&self) -> (Option<f64>, Option<f64>, Option<f64>) {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let Some(sent) = self.sent_at.filter(|_| !self.slow_reader) else {
+            return (None, None, None);
+        };
+        if !self.sse {
+            return (None, None, self.last_chunk.map(|t| ms(t - sent)));
+        }
+        let ttft = self.first_chunk.map(|t| ms(t - sent));
+        // Events after the first, less the closing `[DONE]`.
+        let gaps = self.events.saturating_sub(2);
+        // Several sequences (n > 1, batched prompts) interleave their
+        // events, so the gaps between them are not any one's ITL.
+        let one_sequence = self.permit.as_ref().is_some_and(|p| p.demand().seqs == 1);
+        let itl = match (self.first_chunk, self.last_chunk) {
+            (Some(a), Some(b)) if gaps > 0 && one_sequence => Some(ms(b - a) / gaps as f64),
+            _ => None,
+        };
+        (ttft, itl, None)
+    }
+
+    fn settle(&mut self) {
+        if self.ok {
+            if let Some(p) = &self.permit {
+                let (ttft, itl, e2e) = self.timings();
+                p.record_latency(ttft, itl, e2e);
+            }
+        }
+        if let Some(mut p) = self.permit.take() {
+            let tail = String::from_utf8_lossy(&self.tail);
+            let used = match (
+                find_number(&tail, "\"prompt_tokens\""),
+                find_number(&tail, "\"completion_tokens\""),
+            ) {
+                (Some(a), Some(b)) => Some(a + b),
+                // No usage in a stream: one data event is about one token.
+                _ if self.sse => Some(self.events.saturating_sub(1)),
+                _ => None,
+            };
+            if let Some(u) = used {
+                p.settle(u);
+            }
+        }
+    }
+
+    fn observe_chunk(&mut self, b: &Bytes) {
+        let now = Instant::now();
+        if self.sse {
+            match (self.last_chunk, self.sent_at) {
+                (Some(t), _) => self
+                    .gov
+                    .metrics
+                    .inter_chunk
+                    .observe((now - t).as_secs_f64()),
+                (None, Some(t)) => {
+                    self.first_chunk = Some(now);
+                    self.gov.metrics.ttft.observe((now - t).as_secs_f64())
+                }
+                _ => {}
+            }
+            self.events += b.windows(5).filter(|w| w == b"data:").count() as u64;
+        }
+        self.last_chunk = Some(now);
+        self.tail.extend_from_slice(b);
+        if self.tail.len() > TAIL_BYTES {
+            let cut = self.tail.len() - TAIL_BYTES;
+            self.tail.drain(..cut);
+        }
+    }
+
+    /// The next chunk, the end, or why the stream must stop.
+    async fn next(&mut self) -> Result<Option<Bytes>, Stop> {
+        if *self.cut.borrow() {
+            return Err(Stop::Drain);
+        }
+        let idle = self.idle;
+        tokio::select! {
+            r = tokio::time::timeout(idle, self.inner.next()) => match r {
+                Ok(Some(Ok(b))) => Ok(Some(b)),
+                Ok(None) => Ok(None),
+                Ok(Some(Err(e))) => Err(Stop::UpstreamError(e.to_string())),
+                Err(_) => Err(Stop::UpstreamSilent),
+            },
+            _ = tokio::time::sleep_until(self.end.into()) => Err(Stop::Lifetime),
+            _ = self.cut.wait_for(|c| *c) => Err(Stop::Drain),
+        }
+    }
+}
+
+/// The upstream's answer, streamed back with `extra` headers.
+pub(super) fn stream_back(
+    s: &AppState,
+    resp: reqwest::Response,
+    permit: Option<Permit>,
+    sent_at: Option<Instant>,
+    end: Instant,
+    extra: Vec<(&'static str, String)>,
+) -> Response {
+    let status = resp.status();
+    let mut headers = HeaderMap::with_capacity(resp.headers().len() + extra.len());
+    for (k, v) in resp.headers() {
+        if !super::HOP_BY_HOP.contains(&k.as_str()) {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    for (k, v) in extra {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            headers.insert(HeaderName::from_static(k), v);
+        }
+    }
+    let sse = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let flow = Flow {
+        inner: resp.bytes_stream().boxed(),
+        permit,
+        gov: s.gov.clone(),
+        sse,
+        sent_at,
+        first_chunk: None,
+        last_chunk: None,
+        ok: status.is_success(),
+        yielded_at: None,
+        slow_reader: false,
+        idle: Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms),
+        end,
+        cut: s.gov.cut_signal(),
+        tail: Vec::new(),
+        events: 0,
+        done: false,
+    };
+    let stream = futures::stream::unfold(flow, |mut f| async move {
+        if f.done {
+            return None;
+        }
+        if f.yielded_at.is_some_and(|t| t.elapsed() > SLOW_READER_GAP) {
+            f.slow_reader = true;
+        }
+        let stop = match f.next().await {
+            Ok(Some(b)) => {
+                f.observe_chunk(&b);
+                f.yielded_at = Some(Instant::now());
+                return Some((Ok::<Bytes, std::io::Error>(b), f));
+            }
+            Ok(None) => {
+                f.settle();
+                return None;
+            }
+            Err(stop) => stop,
+        };
+        f.done = true;
+        let message = stop.message(&f);
+        if stop.upstream_fault() {
+            f.gov
+                .metrics
+                .upstream_errors
+                .get_or_create(&label("kind", stop.code()))
+                .inc();
+            f.gov.note_upstream_error();
+            tracing::warn!(
+                kind = stop.code(),
+                "upstream failed mid-response: {message}"
+            );
+        } else {
+            tracing::info!(kind = stop.code(), "response ended: {message}");
+        }
+        // Release now, not when the client finally drops the body.
+        f.permit.take();
+        if f.sse {
+            let body = serde_json::json!({"error": {"message": message,
+                "type": "server_error", "param": null, "code": stop.code()}});
+            let ev = Bytes::from(format!("data: {body}\n\n"));
+            Some((Ok(ev), f))
+        } else {
+            Some((Err(std::io::Error::other(message)), f))
+        }
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    *r.status_mut() = status;
+    *r.headers_mut() = headers;
+    r
+}

@@ -1,0 +1,76 @@
+//! The accept loop: at most `max_connections` client connections at once
+//! (more wait in the listen backlog until one closes), request headers
+//! within `header_read_timeout_ms`, HTTP/1.1, the peer address
+//! for the admin check, and a graceful end: when `shutdown` resolves (after
+//! the governor drained) no connection is accepted and open ones close once
+//! their responses are done, within a bound.
+
+use super::{app, AppState};
+use axum::extract::ConnectInfo;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::sync::Arc;
+use std::time::Duration;
+use tower::ServiceExt;
+
+/// How long open connections get to close after shutdown.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Serves `app` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let settings = state.gov.settings();
+    let router = app(state);
+    let slots = Arc::new(tokio::sync::Semaphore::new(settings.max_connections));
+    let header_timeout = Duration::from_millis(settings.header_read_timeout_ms);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
+            _ = &mut shutdown => break,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, do not spin.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let service =
+            hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                router.clone().oneshot(req.map(axum::body::Body::new))
+            });
+        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+            drop(slot);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(CLOSE_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "connections still open {} s after shutdown are dropped",
+            CLOSE_GRACE.as_secs()
+        );
+    }
+    Ok(())
+}
