@@ -36,6 +36,32 @@ struct Inner {
     /// Per bucket of the profile's table (and one more for requests past
     /// it admitted alone): sequences and capacity units in flight.
     buckets: Vec<Demand>,
+    /// Their gauges, looked up once per table (not per request).
+    bucket_gauges: Vec<BucketGauges>,
+}
+
+type BucketGauges = (
+    prometheus_client::metrics::gauge::Gauge,
+    prometheus_client::metrics::gauge::Gauge<f64, std::sync::atomic::AtomicU64>,
+);
+
+/// The per-bucket gauges of a profile's table (rows, then `beyond`).
+fn bucket_gauges(m: &Metrics, s: &Settings) -> Vec<BucketGauges> {
+    (0..=s.limits.buckets.len())
+        .map(|i| {
+            let name = s
+                .limits
+                .buckets
+                .get(i)
+                .map(|b| b.label())
+                .unwrap_or_else(|| "beyond".into());
+            let l = crate::metrics::label("bucket", &name);
+            (
+                m.bucket_sequences.get_or_create(&l).clone(),
+                m.bucket_capacity_used.get_or_create(&l).clone(),
+            )
+        })
+        .collect()
 }
 
 /// The capacity a profile's limits give the ledger: its sequence and KV
@@ -182,6 +208,7 @@ impl Governor {
         let inner = Inner {
             latency: latency_guard(&settings),
             buckets: vec![Demand::default(); settings.limits.buckets.len() + 1],
+            bucket_gauges: vec![],
             ledger,
             queue: AdmissionQueue::new(
                 settings.max_queue_len,
@@ -209,7 +236,8 @@ impl Governor {
         });
         gov.set_profile_label();
         {
-            let g = gov.lock();
+            let mut g = gov.lock();
+            g.bucket_gauges = bucket_gauges(&gov.metrics, &gov.settings());
             gov.publish(&g);
         }
         gov
@@ -327,19 +355,9 @@ impl Governor {
             .set(used.capacity as f64 / CAPACITY_UNITS as f64);
         m.capacity_limit
             .set(cap.capacity as f64 / CAPACITY_UNITS as f64);
-        let s = self.settings();
-        for (i, d) in g.buckets.iter().enumerate() {
-            let name = s
-                .limits
-                .buckets
-                .get(i)
-                .map(|b| b.label())
-                .unwrap_or_else(|| "beyond".into());
-            let l = crate::metrics::label("bucket", &name);
-            m.bucket_sequences.get_or_create(&l).set(d.seqs as i64);
-            m.bucket_capacity_used
-                .get_or_create(&l)
-                .set(d.capacity as f64 / CAPACITY_UNITS as f64);
+        for (d, (seqs, used)) in g.buckets.iter().zip(&g.bucket_gauges) {
+            seqs.set(d.seqs as i64);
+            used.set(d.capacity as f64 / CAPACITY_UNITS as f64);
         }
     }
 

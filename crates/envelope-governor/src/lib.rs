@@ -30,7 +30,7 @@ pub use error::{GovernError, OverloadReason};
 pub use ladder::{LadderConfig, Level, Reading};
 pub use latency::LatencyConfig;
 pub use ledger::{Demand, Share};
-pub use proxy::{app, serve, upstream_client, AppState, ReloadHook};
+pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
 pub use queue::Class;
 /// Re-exported for the CLI's start-up checks.
 pub use reqwest;

@@ -12,7 +12,7 @@
 mod flow;
 mod serve;
 
-use crate::admission::{Ask, Governor};
+use crate::admission::{Ask, Governor, Permit};
 use crate::error::GovernError;
 use crate::identity::{self, Identity, CLASS_HEADER};
 use crate::metrics::label;
@@ -210,6 +210,21 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
         )
         .into_response(),
     }
+}
+
+/// The streaming relay on its own (the fuzz target drives it with arbitrary
+/// upstream bytes): the upstream's answer back to the client, chunk by
+/// chunk, with `permit` released at its end.
+pub fn relay(s: &AppState, resp: reqwest::Response, permit: Option<Permit>) -> Response {
+    let now = Instant::now();
+    flow::stream_back(
+        s,
+        resp,
+        permit,
+        Some(now),
+        now + Duration::from_millis(s.gov.settings().max_request_ms),
+        Vec::new(),
+    )
 }
 
 /// Logs `detail` (which may name the upstream) and returns an error for

@@ -1,6 +1,7 @@
 //! Counting prompt tokens, from the best source configured: token-id
 //! prompts count exactly; otherwise the served model's tokenizer (from its
-//! `.gguf` file or a `tokenizer.json`, run on a blocking thread), or the upstream's
+//! `.gguf` file or a `tokenizer.json`; prompts over 4 KiB are encoded on a
+//! blocking thread), or the upstream's
 //! `POST /tokenize` (vLLM's shape, which `envelope serve` also has:
 //! `{"prompt"}` or `{"messages"}` -> `{"count"}`), at most one call per
 //! request, or an estimate that is labelled as such in the
@@ -112,6 +113,17 @@ pub fn estimate(req: &ParsedRequest, bytes_per_token: f64) -> Vec<u64> {
     }
 }
 
+/// Prompts up to this many bytes are encoded on the async thread.
+pub const INLINE_ENCODE_BYTES: usize = 4096;
+
+fn prompt_bytes(p: &Prompts) -> usize {
+    match p {
+        Prompts::Texts(v) => v.iter().map(String::len).sum(),
+        Prompts::Messages(c) => c.messages.iter().map(|(_, t)| t.len()).sum(),
+        Prompts::Tokens(_) => 0,
+    }
+}
+
 fn encode_len(t: &TextTokenizer, text: &str) -> u64 {
     t.encode(text)
         .map(|e| e.len() as u64)
@@ -150,16 +162,24 @@ impl TokenCounter {
                 Ok((estimate(req, *bytes_per_token), CountSource::Estimate))
             }
             TokenCounter::Tokenizer(t) => {
+                let encode = |t: &TextTokenizer, prompts: &Prompts| -> Vec<u64> {
+                    match prompts {
+                        Prompts::Texts(v) => v.iter().map(|p| encode_len(t, p)).collect(),
+                        Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(t, x))],
+                        Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
+                    }
+                };
+                // A short prompt encodes in microseconds, less than a hand-off
+                // to the blocking pool costs; a long one would hold an async
+                // worker thread for milliseconds, so it goes there.
+                if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES {
+                    return Ok((encode(t, &req.prompts), CountSource::Tokenizer));
+                }
                 let t = t.clone();
                 let prompts = req.prompts.clone();
-                // Encoding is CPU work: off the async worker threads.
-                let counts = tokio::task::spawn_blocking(move || match &prompts {
-                    Prompts::Texts(v) => v.iter().map(|p| encode_len(&t, p)).collect(),
-                    Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(&t, x))],
-                    Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
-                })
-                .await
-                .map_err(|e| GovernError::invalid(None, format!("counting failed: {e}")))?;
+                let counts = tokio::task::spawn_blocking(move || encode(&t, &prompts))
+                    .await
+                    .map_err(|e| GovernError::invalid(None, format!("counting failed: {e}")))?;
                 Ok((counts, CountSource::Tokenizer))
             }
             TokenCounter::Upstream {

@@ -5,6 +5,9 @@
 //! uses it to run models; the governor to count prompt tokens without a
 //! round trip to the server ([`TextTokenizer::from_path`]).
 
+// Without `gguf`, the BPE builders only the GGUF path uses go unused.
+#![cfg_attr(not(feature = "gguf"), allow(dead_code, unused_imports))]
+#[cfg(feature = "gguf")]
 use candle_core::quantized::gguf_file;
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -81,6 +84,7 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper> {
 }
 
 impl TextTokenizer {
+    #[cfg(feature = "gguf")]
     pub fn from_gguf(path: &Path, content: &gguf_file::Content) -> Result<TextTokenizer> {
         let md = &content.metadata;
         let err = |m: String| TokenizerError(format!("{}: {m}", path.display()));
@@ -173,11 +177,19 @@ impl TextTokenizer {
         if !gguf {
             return TextTokenizer::from_file(path);
         }
-        let mut f = std::fs::File::open(path)
-            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
-        let content = gguf_file::Content::read(&mut f)
-            .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
-        TextTokenizer::from_gguf(path, &content)
+        #[cfg(feature = "gguf")]
+        {
+            let mut f = std::fs::File::open(path)
+                .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
+            let content = gguf_file::Content::read(&mut f)
+                .map_err(|e| TokenizerError(format!("{}: {e}", path.display())))?;
+            TextTokenizer::from_gguf(path, &content)
+        }
+        #[cfg(not(feature = "gguf"))]
+        Err(TokenizerError(format!(
+            "{}: this build reads no .gguf files (the `gguf` feature); give a tokenizer.json",
+            path.display()
+        )))
     }
 
     /// A `tokenizer.json`; whether BOS is added is up to its post-processor.

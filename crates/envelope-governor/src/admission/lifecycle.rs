@@ -69,6 +69,7 @@ impl Governor {
             // Rows of the old table must not linger in /metrics.
             self.metrics.bucket_sequences.clear();
             self.metrics.bucket_capacity_used.clear();
+            g.bucket_gauges = super::bucket_gauges(&self.metrics, &s);
             self.apply_caps(&mut g);
             let w = self.pump(&mut g);
             self.publish(&g);

@@ -14,6 +14,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
 use futures::StreamExt;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -36,8 +37,11 @@ struct Flow {
     yielded_at: Option<Instant>,
     slow_reader: bool,
     idle: Duration,
-    /// The end of the request's lifetime.
-    end: Instant,
+    /// Fires at the end of the request's lifetime (one timer per response,
+    /// not one per chunk).
+    end: Pin<Box<tokio::time::Sleep>>,
+    /// Fires after `idle` without a chunk (reset at each chunk).
+    silence: Pin<Box<tokio::time::Sleep>>,
     cut: watch::Receiver<bool>,
     /// The last bytes seen, for the `usage` object at the end.
     tail: Vec<u8>,
@@ -174,17 +178,21 @@ impl Flow {
         if *self.cut.borrow() {
             return Err(Stop::Drain);
         }
-        let idle = self.idle;
-        tokio::select! {
-            r = tokio::time::timeout(idle, self.inner.next()) => match r {
-                Ok(Some(Ok(b))) => Ok(Some(b)),
-                Ok(None) => Ok(None),
-                Ok(Some(Err(e))) => Err(Stop::UpstreamError(e.to_string())),
-                Err(_) => Err(Stop::UpstreamSilent),
+        let r = tokio::select! {
+            r = self.inner.next() => match r {
+                Some(Ok(b)) => Ok(Some(b)),
+                None => Ok(None),
+                Some(Err(e)) => Err(Stop::UpstreamError(e.to_string())),
             },
-            _ = tokio::time::sleep_until(self.end.into()) => Err(Stop::Lifetime),
+            _ = self.silence.as_mut() => Err(Stop::UpstreamSilent),
+            _ = self.end.as_mut() => Err(Stop::Lifetime),
             _ = self.cut.wait_for(|c| *c) => Err(Stop::Drain),
+        };
+        if let Ok(Some(_)) = &r {
+            let next = tokio::time::Instant::now() + self.idle;
+            self.silence.as_mut().reset(next);
         }
+        r
     }
 }
 
@@ -213,6 +221,7 @@ pub(super) fn stream_back(
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
+    let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
     let flow = Flow {
         inner: resp.bytes_stream().boxed(),
         permit,
@@ -224,8 +233,9 @@ pub(super) fn stream_back(
         ok: status.is_success(),
         yielded_at: None,
         slow_reader: false,
-        idle: Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms),
-        end,
+        idle,
+        end: Box::pin(tokio::time::sleep_until(end.into())),
+        silence: Box::pin(tokio::time::sleep(idle)),
         cut: s.gov.cut_signal(),
         tail: Vec::new(),
         events: 0,
