@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: formatting and lints, the Rust unit and integration tests
-# (real SmolLM2 weights, real servers on loopback), and the official openai
-# Python client against `envelope serve`.
+# (real SmolLM2 weights, real servers on loopback), a short run of each
+# governor fuzz target, and the official openai Python client against
+# `envelope serve`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,7 @@ bash scripts/fetch-model.sh
 
 echo "== fmt and clippy"
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --release --all-targets --locked -- -D warnings
 
 echo "== NVRTC from PyPI (every kernel in kernels/ must compile for sm_80 and sm_90; no GPU needed)"
@@ -31,6 +33,9 @@ fi
 
 echo "== cargo test"
 cargo test --release --locked --workspace
+
+echo "== fuzz (30 s per governor target; scripts/fuzz.sh 600 for the long run)"
+bash scripts/fuzz.sh 30
 
 echo "== openai python client"
 if [ ! -x .venv/bin/python ]; then

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs the governor's cargo-fuzz targets (fuzz/fuzz_targets: request
+# validation, token counting, the SSE relay), each for SECONDS (default 30),
+# from the committed seeds (fuzz/seeds) and a corpus kept under
+# fuzz/corpus (not committed). Installs cargo-fuzz from crates.io when it
+# is missing. Builds on the stable toolchain: no sanitizer (-s none), so a
+# finding is a failed assertion or a panic, which libFuzzer reports with
+# the input it saved under fuzz/artifacts. Prints one line per target.
+#
+#   scripts/fuzz.sh [SECONDS] [TARGET...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-30}"
+shift || true
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then targets=(request counting sse_relay); fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  cargo install --locked cargo-fuzz
+fi
+cd fuzz
+cargo fuzz build -s none -O >/dev/null
+for t in "${targets[@]}"; do
+  seeds=seeds/$t
+  [ -d "$seeds" ] || seeds=seeds/request
+  mkdir -p "corpus/$t"
+  log=$(mktemp)
+  if ! cargo fuzz run -s none -O "$t" "corpus/$t" "$seeds" -- -max_total_time="$secs" >"$log" 2>&1; then
+    tail -40 "$log"
+    echo "fuzz: $t FAILED (input saved under fuzz/artifacts/$t)" >&2
+    exit 1
+  fi
+  echo "fuzz: $t: $(grep -E '^Done [0-9]+ runs' "$log") ($(grep -E 'DONE' "$log" | grep -oE 'cov: [0-9]+|corp: [0-9]+/[0-9a-zA-Z]+' | tr '\n' ' '))"
+  rm -f "$log"
+done

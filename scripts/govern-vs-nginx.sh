@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The governor's overhead beside a plain reverse proxy, in one run: wrk
+# against a fixed-response upstream (nginx `return 200`) directly, through
+# nginx `proxy_pass` (keep-alive to the upstream), and through
+# `envelope govern` with its defaults (live guard on, latency guard on,
+# counting: the model's .gguf with --tokenizer, and the default `auto`,
+# which falls back to the local estimate because the upstream has no
+# /tokenize). The profile's caps are far above the load, so only the
+# governor's own work is measured, not its admission decisions. Prints a
+# Markdown table: latency p50/p99 added to the direct path (one connection,
+# one request at a time) and requests/s at CONNECTIONS connections, each
+# against nginx's. Not a timed test: figures vary with what else the
+# machine does; compare the columns of one run.
+#
+#   scripts/govern-vs-nginx.sh [SECONDS] [CONNECTIONS]
+#
+# Needs nginx and wrk (installed with apt-get when missing) and the
+# SmolLM2 GGUF (scripts/fetch-model.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-10}"
+conns="${2:-32}"
+if ! command -v nginx >/dev/null || ! command -v wrk >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null
+fi
+bash scripts/fetch-model.sh >/dev/null
+cargo build --release --locked >&2
+bin=${CARGO_TARGET_DIR:-target}/release/envelope
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+work=$(mktemp -d /tmp/envelope-vs-nginx.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port)
+
+body='{"id":"cmpl-1","object":"text_completion","model":"fixed","choices":[{"index":0,"text":"hello world","finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":2,"total_tokens":10}}'
+cat > "$work/nginx.conf" <<EOF
+worker_processes 1;
+pid $work/nginx.pid;
+error_log $work/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  upstream fixed { server 127.0.0.1:$UP; keepalive 256; }
+  server {
+    listen 127.0.0.1:$UP;
+    location = /v1/completions { default_type application/json; return 200 '$body'; }
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"fixed"}]}'; }
+    location / { return 404; }
+  }
+  server {
+    listen 127.0.0.1:$PX;
+    location / {
+      proxy_pass http://fixed;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+EOF
+nginx -c "$work/nginx.conf" -p "$work"
+
+cat > "$work/profile.json" <<EOF
+{"schema": "envelope.profile/v1", "created_unix_ms": 1,
+ "fingerprint": {"schema": 1, "model": {"kind": "dummy", "preset": "tiny", "seed": 0}, "node": {"gpus": []}},
+ "slo": {"ttft_p95_ms": 1000, "itl_p95_ms": null, "e2e_p99_ms": null},
+ "configs": [], "selected": "overhead",
+ "limits": {"max_context_tokens": 4096, "max_output_tokens": 256,
+            "max_concurrent_seqs": 4096, "max_kv_tokens_in_flight": 16000000},
+ "probes_total": 0}
+EOF
+start_gov() {
+  local port=$1; shift
+  ENVELOPE_LOG=warn "$bin" govern --profile "$work/profile.json" --upstream "http://127.0.0.1:$UP" \
+    --listen "127.0.0.1:$port" --on-mismatch ignore "$@" > "$work/gov-$port.out" 2> "$work/gov-$port.log" &
+  pids+=($!)
+}
+start_gov "$G1" --tokenizer "$model"
+start_gov "$G2"
+for port in $UP $PX $G1 $G2; do
+  for _ in $(seq 1 100); do
+    curl -fsS -o /dev/null "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
+    sleep 0.1
+  done
+done
+
+cat > "$work/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"fixed","prompt":"Say hello to the world in a few words.","max_tokens":16}'
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %.1f %.3f %.3f %d %d\n",
+    summary.requests / (summary.duration / 1e6),
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
+    summary.requests))
+end
+EOF
+# Latency: one connection, one request at a time (nothing queues, so what
+# a proxy adds is its own work). Throughput: $conns connections, closed loop.
+lat() { wrk -t1 -c1 -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $3, $4}'; }
+tput() { wrk -t2 -c"$conns" -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $2, $5}'; }
+
+# Warm up each path, then measure them in turn.
+for port in $UP $PX $G1 $G2; do wrk -t1 -c4 -d1s -s "$work/post.lua" "http://127.0.0.1:$port/v1/completions" >/dev/null; done
+read -r d_p50 d_p99 <<<"$(lat "$UP")"
+read -r n_p50 n_p99 <<<"$(lat "$PX")"
+read -r t_p50 t_p99 <<<"$(lat "$G1")"
+read -r a_p50 a_p99 <<<"$(lat "$G2")"
+read -r d_rps d_err <<<"$(tput "$UP")"
+read -r n_rps n_err <<<"$(tput "$PX")"
+read -r t_rps t_err <<<"$(tput "$G1")"
+read -r a_rps a_err <<<"$(tput "$G2")"
+src1=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G1/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
+src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G2/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
+
+echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a); POST /v1/completions to a fixed 200 upstream (nginx return); latency: wrk -t1 -c1 -d${secs}s; req/s: wrk -t2 -c$conns -d${secs}s"
+echo
+python3 - "$d_p50" "$d_p99" "$d_rps" "$n_p50" "$n_p99" "$n_rps" "$n_err" "$t_p50" "$t_p99" "$t_rps" "$t_err" "$a_p50" "$a_p99" "$a_rps" "$a_err" "$src1" "$src2" <<'EOF'
+import sys
+a = sys.argv[1:]
+d50, d99, drps = map(float, a[0:3])
+n50, n99, nrps, nerr = float(a[3]), float(a[4]), float(a[5]), int(a[6])
+t50, t99, trps, terr = float(a[7]), float(a[8]), float(a[9]), int(a[10])
+g50, g99, grps, gerr = float(a[11]), float(a[12]), float(a[13]), int(a[14])
+src1, src2 = a[15], a[16]
+add = lambda x, d: max(x - d, 0.0)
+nadd50, nadd99 = add(n50, d50), add(n99, d99)
+print(f"direct to the upstream: p50 {d50:.3f} ms, p99 {d99:.3f} ms (one connection); {drps:,.0f} req/s")
+print()
+print("| path | added p50 (ms) | added p99 (ms) | req/s | x nginx: p50 / p99 / req/s | errors |")
+print("|---|---|---|---|---|---|")
+print(f"| nginx proxy_pass | {nadd50:.3f} | {nadd99:.3f} | {nrps:,.0f} | 1 / 1 / 1 | {nerr} |")
+for name, p50, p99, rps, err in [
+    (f"envelope govern --tokenizer model.gguf (counts: {src1})", t50, t99, trps, terr),
+    (f"envelope govern, defaults (counts: {src2})", g50, g99, grps, gerr),
+]:
+    r50 = add(p50, d50) / nadd50 if nadd50 > 0 else float("inf")
+    r99 = add(p99, d99) / nadd99 if nadd99 > 0 else float("inf")
+    print(f"| {name} | {add(p50, d50):.3f} | {add(p99, d99):.3f} | {rps:,.0f} | {r50:.2f} / {r99:.2f} / {rps / nrps:.2f} | {err} |")
+print()
+print("targets (issue #16): added p50 and p99 at most 1.5x nginx's, req/s at least 0.8x nginx's")
+EOF
