@@ -559,6 +559,22 @@ impl Governor {
         }
     }
 
+    /// 429 while the live guard refuses new work (REJECT_NEW).
+    fn reject_new(g: &mut Inner, now_ms: u64, demand: Demand) -> Option<GovernError> {
+        if g.ladder.level() != Level::RejectNew {
+            return None;
+        }
+        let ra = Self::retry_after(g, now_ms, Class::Batch, demand).max(2);
+        Some(Self::overloaded(
+            OverloadReason::GuardRejectNew,
+            ra,
+            format!(
+                "the upstream is under pressure ({}); retry later",
+                g.ladder.cause
+            ),
+        ))
+    }
+
     /// The checks that cost nothing, made before a request's body is
     /// counted: draining, the guard refusing new work, a full queue.
     ///
@@ -576,16 +592,8 @@ impl Governor {
             kv_tokens: 1,
             capacity: 1,
         };
-        if g.ladder.level() == Level::RejectNew {
-            let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one).max(2);
-            return Err(Self::overloaded(
-                OverloadReason::GuardRejectNew,
-                ra,
-                format!(
-                    "the upstream is under pressure ({}); retry later",
-                    g.ladder.cause
-                ),
-            ));
+        if let Some(e) = Self::reject_new(&mut g, now_ms, one) {
+            return Err(e);
         }
         if !g.queue.is_empty() && g.queue.len() >= s.max_queue_len {
             let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one);
@@ -616,16 +624,8 @@ impl Governor {
         let now_ms = self.now_ms();
         let (id, rx, wait_until, budget_bound, wakes) = {
             let mut g = self.lock();
-            if g.ladder.level() == Level::RejectNew {
-                let ra = Self::retry_after(&mut g, now_ms, Class::Batch, ask.demand).max(2);
-                return Err(Self::overloaded(
-                    OverloadReason::GuardRejectNew,
-                    ra,
-                    format!(
-                        "the upstream is under pressure ({}); retry later",
-                        g.ladder.cause
-                    ),
-                ));
+            if let Some(e) = Self::reject_new(&mut g, now_ms, ask.demand) {
+                return Err(e);
             }
             if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
                 let cap = g.ledger.full_capacity();
