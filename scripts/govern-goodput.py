@@ -5,7 +5,8 @@ request shape.
 1. A profile: `--profile P` (for instance the quickstart's), or else
    `envelope sweep` measures one of SmolLM2-135M here (engine target, a
    short 64x32 and a long 256x32 bucket, a KV pool small enough that the KV
-   cache binds).
+   cache binds) through the launch target: `envelope serve` over HTTP, as
+   the governor will see it.
 2. `envelope serve` runs the model with the profile's selected
    configuration (precision, KV dtype and pool, batch policy, sequences);
    `envelope govern` enforces the profile in front of it.
@@ -26,7 +27,12 @@ bucket's). `--check` exits 1 unless every governed run has zero
 preemptions, goodput >= 0.9 of the profile's and >= 95% of admitted
 requests within the TTFT SLO.
 
-    scripts/govern-goodput.sh [--seconds S] [--profile P] [--scenarios short,mixed] [--check]
+`safe` (exactly the short bucket's safe concurrency, no overload) shows
+what this client reaches at the safe point, direct and governed: the
+measurement's own ceiling. `--repeat N` runs everything N times,
+alternating, and reports column medians.
+
+    scripts/govern-goodput.sh [--seconds S] [--repeat N] [--profile P] [--scenarios safe,short,mixed] [--check]
 """
 
 import argparse
@@ -72,16 +78,31 @@ def pct(values, q):
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
-def drive(base, shapes, seconds, slo):
+def sample_state(base, stop_at, out):
+    """Samples the governor's /admin/state every 100 ms until `stop_at`:
+    what share of the envelope is in flight, the queue, the latency guard."""
+    while time.monotonic() < stop_at:
+        try:
+            st = json.load(urllib.request.urlopen(base + "/admin/state", timeout=2))
+            out.append((st["in_flight"]["envelope_share"], st["in_flight"]["sequences"],
+                        st["queue"]["requests"], st["latency_guard"]["share"]))
+        except Exception:  # noqa: BLE001 - a missed sample is only a missed sample
+            pass
+        time.sleep(0.1)
+
+
+def drive(base, shapes, seconds, slo, governed=False, stagger=0.0):
     """One client thread per (input, output) in `shapes`, back to back for `seconds`."""
     records, lock = [], threading.Lock()
     refused = [0]
     stop_at = time.monotonic() + seconds
+    samples = []
 
     def client_loop(worker, shape):
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         n_in, n_out = shape
         n = 0
+        time.sleep(worker * stagger)
         while time.monotonic() < stop_at:
             prompt = [300 + (worker * 7919 + n * 104729 + i * 31) % 20000 for i in range(n_in)]
             n += 1
@@ -111,6 +132,8 @@ def drive(base, shapes, seconds, slo):
                 records.append((ttft, e2e, tokens, err, n_out, in_window))
 
     threads = [threading.Thread(target=client_loop, args=(w, s)) for w, s in enumerate(shapes)]
+    if governed:
+        threads.append(threading.Thread(target=sample_state, args=(base, stop_at, samples)))
     t_start = time.monotonic()
     for t in threads:
         t.start()
@@ -135,7 +158,21 @@ def drive(base, shapes, seconds, slo):
         "e2e_p95_ms": pct([r[1] * 1e3 for r in ok], 0.95),
         "in_ttft_slo": len(in_ttft) / max(1, len(ok)),
         "goodput_tok_s": sum(r[5] for r in good) / window,
+        # Means over the samples of /admin/state (governed runs only).
+        "in_flight_share": mean([x[0] for x in samples]),
+        "in_flight_seqs": mean([x[1] for x in samples]),
+        "queued": mean([x[2] for x in samples]),
+        "latency_share": mean([x[3] for x in samples]),
     }
+
+
+def median_of(rows):
+    """Column-wise medians of result dicts (numbers only)."""
+    return {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+
+
+def mean(values):
+    return sum(values) / len(values) if values else float("nan")
 
 
 def at_safe_tok_s(config, row):
@@ -163,9 +200,12 @@ def sweep_profile(work, kv):
     with open(cfg, "w") as f:
         f.write(f"""
 [target]
-kind = "engine"
+kind = "launch"
 model = "{MODEL}"
 kv_cache_bytes = "{kv}"
+vocab_size = 49152
+command = "{BIN} serve --model {{model}} --served-model-name {{model}} --precision {{precision}} --kv-dtype {{kv_dtype}} --batch-policy {{batch_policy}} --max-num-seqs {{max_num_seqs}} --max-num-batched-tokens {{max_num_batched_tokens}} --kv-cache-bytes {{kv_cache_bytes}} --block-size {{block_size}} --host 127.0.0.1 --port {{port}}"
+ready_timeout_s = 120
 [matrix]
 precisions = ["as-stored"]
 batch_policies = ["continuous"]
@@ -192,9 +232,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="per run (default 30)")
     ap.add_argument("--profile", help="a profile to use (default: sweep one here)")
-    ap.add_argument("--scenarios", default="short,mixed")
+    ap.add_argument("--scenarios", default="safe,short,mixed")
     ap.add_argument("--kv", default="32MiB", help="KV pool of the sweep made here")
     ap.add_argument("--max-num-batched-tokens", default="256")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every scenario N times, alternating, and report medians (default 1)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless the governed runs meet the bar")
     args = ap.parse_args()
 
@@ -215,7 +257,9 @@ def main():
     short, long_ = rows[0], rows[-1]
     slo = profile["slo"]
     mem = config["memory"]
-    kv_bytes = mem["kv_capacity_tokens"] * mem["kv_bytes_per_token"]
+    # A launch-target profile knows the pool in tokens, not bytes: then the
+    # pool is the one the sweep gave the server.
+    kv_bytes = mem["kv_capacity_tokens"] * mem["kv_bytes_per_token"] or args.kv
     shape = lambda r: (r["input_tokens"], r["output_tokens"])  # noqa: E731
     plans = {
         "short": ([shape(short)] * (4 * short["safe_concurrency"]),
@@ -226,6 +270,9 @@ def main():
     }
     s_tok, s_basis = at_safe_tok_s(config, short)
     l_tok, l_basis = at_safe_tok_s(config, long_)
+    # `safe`: exactly the short bucket's safe concurrency, no overload: what
+    # this client reaches at the safe point, direct and governed.
+    plans["safe"] = ([shape(short)] * short["safe_concurrency"], (s_tok, s_basis))
     plans["mixed"] = (plans["mixed"][0], (0.5 * s_tok + 0.5 * l_tok, f"half of {short_label(short)} + half of {short_label(long_)}"))
 
     serve, upstream = start(["serve", "--model", MODEL, "--served-model-name", "smollm2",
@@ -235,49 +282,60 @@ def main():
                              "--max-num-batched-tokens", args.max_num_batched_tokens,
                              "--kv-cache-bytes", str(kv_bytes), "--port", "0"],
                             "envelope serve listening on ", log)
-    results = []
+    runs = {}  # scenario -> [(direct, governed)] per repeat
+    names = [s for s in args.scenarios.split(",") if s]
     try:
-        for name in [s for s in args.scenarios.split(",") if s]:
-            shapes, (ref, basis) = plans[name]
-            p0 = metric(upstream, "envelope:num_preemptions_total")
-            direct = drive(upstream, shapes, args.seconds, slo)
-            direct["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
-            gov, governed = start(["govern", "--profile", path, "--upstream", upstream,
-                                   "--listen", "127.0.0.1:0", "--on-mismatch", "ignore"],
-                                  "envelope govern listening on ", log)
-            try:
+        for _ in range(args.repeat):
+            for name in names:
+                shapes, _ref = plans[name]
                 p0 = metric(upstream, "envelope:num_preemptions_total")
-                through = drive(governed, shapes, args.seconds, slo)
-                through["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
-            finally:
-                gov.terminate()
-                gov.wait(10)
-            results.append((name, len(shapes), ref, basis, direct, through))
+                direct = drive(upstream, shapes, args.seconds, slo)
+                direct["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
+                gov, governed = start(["govern", "--profile", path, "--upstream", upstream,
+                                       "--listen", "127.0.0.1:0", "--on-mismatch", "ignore"],
+                                      "envelope govern listening on ", log)
+                try:
+                    p0 = metric(upstream, "envelope:num_preemptions_total")
+                    through = drive(governed, shapes, args.seconds, slo, governed=True)
+                    through["preemptions"] = metric(upstream, "envelope:num_preemptions_total") - p0
+                finally:
+                    gov.terminate()
+                    gov.wait(10)
+                runs.setdefault(name, []).append((direct, through))
     finally:
         serve.terminate()
         serve.wait(10)
+    # One row per scenario and path: the median of each column over the
+    # repeats (the machine's speed drifts by several percent between runs).
+    results = [(name, len(plans[name][0]), plans[name][1][0], plans[name][1][1],
+                median_of([d for d, _ in runs[name]]), median_of([t for _, t in runs[name]]),
+                [t["goodput_tok_s"] / plans[name][1][0] for _, t in runs[name]])
+               for name in names]
 
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"machine: {cpu}, {os.cpu_count()} cores; commit {commit}; {args.seconds:.0f} s per run"
+          + (f", medians of {args.repeat} repeats" if args.repeat > 1 else "")
           + (f"; sweep {t_sweep:.0f} s" if not args.profile else ""))
     print(f"profile {path}: selected {config['name']}, KV pool {kv_bytes} bytes ({mem['kv_capacity_tokens']} tokens); "
           + ", ".join(f"{short_label(r)} safe at {r['safe_concurrency']}" for r in rows)
           + f"; SLOs: TTFT <= {slo['ttft_p95_ms']} ms, e2e <= {slo['e2e_p99_ms']} ms")
     cols = ["done", "429s", "errors", "preemptions", "ttft_p50_ms", "ttft_p95_ms",
-            "e2e_p50_ms", "e2e_p95_ms", "in_ttft_slo", "goodput_tok_s"]
+            "e2e_p50_ms", "e2e_p95_ms", "in_ttft_slo", "goodput_tok_s",
+            "in_flight_share", "in_flight_seqs", "queued", "latency_share"]
     print("| scenario | clients | path | " + " | ".join(cols) + " | goodput / profile |")
     print("|---" * (len(cols) + 4) + "|")
     failed = []
-    for name, clients, ref, basis, direct, through in results:
+    for name, clients, ref, basis, direct, through, _ in results:
         for path_name, r in [("direct", direct), ("governed", through)]:
             vals = [f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
             print(f"| {name} | {clients} | {path_name} | " + " | ".join(vals)
                   + f" | {r['goodput_tok_s'] / ref:.2f} |")
         if through["preemptions"] > 0 or through["goodput_tok_s"] < 0.9 * ref or through["in_ttft_slo"] < 0.95:
             failed.append(name)
-    for name, clients, ref, basis, _, _ in results:
-        print(f"profile throughput for {name}: {ref:.1f} output tok/s ({basis})")
+    for name, clients, ref, basis, _, _, each in results:
+        print(f"profile throughput for {name}: {ref:.1f} output tok/s ({basis}); governed goodput / profile per run: "
+              + ", ".join(f"{x:.2f}" for x in each))
     print("governed runs " + ("meet the bar" if not failed else f"MISS the bar: {', '.join(failed)}")
           + " (zero preemptions, goodput >= 0.9 of the profile's, >= 95% of admitted within the TTFT SLO)")
     if args.check and failed:

@@ -4,8 +4,8 @@
 # (see scripts/govern-goodput.py). Makes what it needs: the release binary,
 # the model (scripts/fetch-model.sh) and the .venv with the openai client.
 #
-#   scripts/govern-goodput.sh [--seconds S] [--profile P] [--scenarios short,mixed] [--check]
-#   (default: sweeps its own profile, 30 s per run, ~6 minutes in all)
+#   scripts/govern-goodput.sh [--seconds S] [--repeat N] [--profile P] [--scenarios safe,short,mixed] [--check]
+#   (default: sweeps its own profile, 30 s per run, ~5 minutes in all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x target/release/envelope ] || cargo build --release --locked >&2
