@@ -16,6 +16,9 @@ use cli::{Cli, Command};
 use envelope_engine::{ChatMessage, EngineHandle, GenerateRequest, SamplingParams};
 use std::io::Write;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
