@@ -10,49 +10,22 @@ use crate::load::{LoadedModel, ModelInfo};
 use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
 use crate::sampling::{DevicePick, Sampler, SamplingParams};
-use crate::scheduler::{Plan, Scheduler, SchedulerConfig, SeqId};
+use crate::scheduler::{Plan, Scheduler, SeqId};
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-/// How big the KV pool is.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum KvBudget {
-    Bytes(usize),
-    /// A fraction of the host's available memory after the weights are loaded.
-    FractionOfAvailable(f64),
-}
-
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    pub kv_dtype: KvDtype,
-    pub kv_budget: KvBudget,
-    pub block_size: usize,
-    pub scheduler: SchedulerConfig,
-    /// Longest sequence (prompt + output) accepted; defaults to the model's context.
-    pub max_model_len: Option<usize>,
-    /// Test aid: each step also sleeps this many ms per sequence it
-    /// computes, so the engine acts like a slower, compute-bound device
-    /// (latency grows with the batch). 0 in real use.
-    pub slow_step_ms_per_seq: u64,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        EngineConfig {
-            kv_dtype: KvDtype::F32,
-            kv_budget: KvBudget::FractionOfAvailable(0.2),
-            block_size: 16,
-            scheduler: SchedulerConfig::default(),
-            max_model_len: None,
-            slow_step_ms_per_seq: 0,
-        }
-    }
-}
+mod guard;
+mod handle;
+mod settings;
+mod stats;
+pub use handle::{EngineHandle, Generated};
+pub use settings::{EngineConfig, KvBudget};
+pub use stats::{EngineInfo, EngineMetrics, StepStats, STEP_LOG_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -94,74 +67,6 @@ pub enum Event {
 pub struct GenerateRequest {
     pub prompt_tokens: Vec<u32>,
     pub params: SamplingParams,
-}
-
-/// What one step did, for the harness and the logs.
-#[derive(Debug, Clone, Serialize)]
-pub struct StepStats {
-    pub step: u64,
-    pub prefill_tokens: usize,
-    pub decode_tokens: usize,
-    pub step_seconds: f64,
-    pub running: usize,
-    pub waiting: usize,
-    pub kv_blocks_used: usize,
-    pub kv_blocks_total: usize,
-    pub preemptions: usize,
-}
-
-/// Live counters, read by `/metrics` without stopping the loop.
-#[derive(Debug, Default)]
-pub struct EngineMetrics {
-    pub running: AtomicUsize,
-    pub waiting: AtomicUsize,
-    pub kv_blocks_used: AtomicUsize,
-    pub kv_blocks_total: AtomicUsize,
-    pub preemptions_total: AtomicU64,
-    pub prompt_tokens_total: AtomicU64,
-    pub generation_tokens_total: AtomicU64,
-    pub requests_finished_total: AtomicU64,
-    pub requests_aborted_total: AtomicU64,
-    pub steps_total: AtomicU64,
-    /// The last steps (at most `STEP_LOG_LEN`), oldest first.
-    pub step_log: Mutex<VecDeque<StepStats>>,
-}
-
-pub const STEP_LOG_LEN: usize = 4096;
-
-impl EngineMetrics {
-    pub fn kv_usage(&self) -> f64 {
-        let total = self.kv_blocks_total.load(Ordering::Relaxed);
-        if total == 0 {
-            0.0
-        } else {
-            self.kv_blocks_used.load(Ordering::Relaxed) as f64 / total as f64
-        }
-    }
-    /// Takes the step log, leaving it empty.
-    pub fn drain_steps(&self) -> Vec<StepStats> {
-        self.step_log
-            .lock()
-            .map(|mut l| l.drain(..).collect())
-            .unwrap_or_default()
-    }
-}
-
-/// Static facts about the running engine.
-#[derive(Debug, Clone, Serialize)]
-pub struct EngineInfo {
-    pub model: ModelInfo,
-    pub kv_dtype: KvDtype,
-    pub block_size: usize,
-    pub kv_blocks_total: usize,
-    pub kv_bytes_per_token: usize,
-    pub kv_pool_bytes: usize,
-    pub kv_capacity_tokens: usize,
-    pub max_model_len: usize,
-    pub scheduler: SchedulerConfig,
-    /// Where the model runs and on what: `cpu`, or the GPU with its kernel
-    /// source, GEMM path and graph use ([`StepRunner::describe`]).
-    pub backend: String,
 }
 
 struct Sequence {
@@ -296,6 +201,9 @@ pub struct Engine {
     pub metrics: Arc<EngineMetrics>,
     step: u64,
     slow_step_ms_per_seq: u64,
+    /// The sequences in the step being run: what a panic in it fails
+    /// ([`Engine::step_guarded`]).
+    stepping: Vec<SeqId>,
 }
 
 /// Host memory the OS reports available (`MemAvailable`), in bytes.
@@ -489,6 +397,7 @@ impl Engine {
             metrics,
             step: 0,
             slow_step_ms_per_seq: cfg.slow_step_ms_per_seq,
+            stepping: Vec::new(),
         }
     }
 
@@ -595,7 +504,9 @@ impl Engine {
     /// Runs one scheduling step and forward pass.
     pub fn step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
+        self.stepping.clear();
         let plan: Plan = self.scheduler.schedule();
+        self.stepping.extend(plan.work.iter().map(|w| w.id));
         if self.slow_step_ms_per_seq > 0 && !plan.work.is_empty() {
             let ms = self.slow_step_ms_per_seq * plan.work.len() as u64;
             std::thread::sleep(std::time::Duration::from_millis(ms));
@@ -843,203 +754,6 @@ impl Engine {
     }
 }
 
-enum Command {
-    Submit(GenerateRequest, UnboundedSender<Event>),
-    Shutdown,
-}
-
-/// Takes commands, steps while there is work, sleeps on the channel when idle.
-fn run_loop(engine: &mut Engine, rx: mpsc::Receiver<Command>) {
-    // false: stop.
-    let handle = |engine: &mut Engine, cmd: Command| -> bool {
-        match cmd {
-            Command::Submit(req, tx) => {
-                if let Err(e) = engine.add_request(req, tx.clone()) {
-                    let _ = tx.send(Event::Error(e.to_string()));
-                }
-                true
-            }
-            Command::Shutdown => false,
-        }
-    };
-    loop {
-        if !engine.has_work() {
-            match rx.recv() {
-                Ok(cmd) => {
-                    if !handle(engine, cmd) {
-                        return;
-                    }
-                }
-                Err(_) => return,
-            }
-        }
-        loop {
-            match rx.try_recv() {
-                Ok(cmd) => {
-                    if !handle(engine, cmd) {
-                        return;
-                    }
-                }
-                Err(mpsc::TryRecvError::Disconnected) => return,
-                Err(mpsc::TryRecvError::Empty) => break,
-            }
-        }
-        // Static batching: let requests sent together arrive before the
-        // batch forms (TGI waits for its batch in a similar way).
-        let wait = Duration::from_millis(engine.info.scheduler.static_batch_wait_ms);
-        while !wait.is_zero() && engine.scheduler.forming_static_batch() {
-            match rx.recv_timeout(wait) {
-                Ok(cmd) => {
-                    if !handle(engine, cmd) {
-                        return;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => break,
-                Err(mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-        }
-        engine.reap_disconnected();
-        if engine.has_work() {
-            if let Err(e) = engine.step() {
-                tracing::error!("engine step failed: {e}");
-            }
-        }
-    }
-}
-
-/// A cloneable handle to an engine running on its own thread.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
-    /// The engine thread, joined by [`EngineHandle::shutdown_and_wait`].
-    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
-    pub info: Arc<EngineInfo>,
-    pub metrics: Arc<EngineMetrics>,
-    pub tokenizer: Arc<TextTokenizer>,
-    pub chat_template: Arc<ChatTemplate>,
-}
-
-impl EngineHandle {
-    pub fn spawn(loaded: LoadedModel, cfg: &EngineConfig) -> Result<EngineHandle> {
-        let tokenizer = Arc::new(loaded.tokenizer);
-        let engine = Engine::new(loaded.model, tokenizer, loaded.info, cfg)?;
-        Self::spawn_engine(engine, Arc::new(loaded.chat_template))
-    }
-
-    /// Loads `spec` where `placement` says and runs the engine on its thread.
-    pub fn load_and_spawn(
-        spec: &str,
-        opts: &crate::load::LoadOptions,
-        placement: Placement,
-        cfg: &EngineConfig,
-    ) -> Result<EngineHandle> {
-        let (engine, template) = Engine::load(spec, opts, placement, cfg)?;
-        Self::spawn_engine(engine, template)
-    }
-
-    /// Runs a built engine on its own thread.
-    pub fn spawn_engine(
-        mut engine: Engine,
-        chat_template: Arc<ChatTemplate>,
-    ) -> Result<EngineHandle> {
-        let tokenizer = engine.tokenizer.clone();
-        let info = Arc::new(engine.info.clone());
-        let metrics = engine.metrics.clone();
-        let (tx, rx) = mpsc::channel::<Command>();
-        let thread = std::thread::Builder::new()
-            .name("envelope-engine".into())
-            .spawn(move || {
-                // The loop runs on a worker of its own rayon pool, so each
-                // parallel region of a step starts on this thread instead of
-                // being handed to the pool and waited for (two context
-                // switches per region, hundreds of regions per step):
-                // measured 1.6x decode tokens/s on 2 cores.
-                match rayon::ThreadPoolBuilder::new()
-                    .thread_name(|i| format!("envelope-compute-{i}"))
-                    .build()
-                {
-                    Ok(pool) => pool.install(move || run_loop(&mut engine, rx)),
-                    Err(_) => run_loop(&mut engine, rx),
-                }
-            })
-            .map_err(|e| EngineError::InvalidSetting {
-                field: "engine",
-                message: format!("cannot start the engine thread: {e}"),
-            })?;
-        Ok(EngineHandle {
-            tx,
-            thread: Arc::new(Mutex::new(Some(thread))),
-            info,
-            metrics,
-            tokenizer,
-            chat_template,
-        })
-    }
-
-    /// Submits a request. Invalid requests fail here, before queueing.
-    pub fn submit(&self, req: GenerateRequest) -> Result<UnboundedReceiver<Event>> {
-        Engine::validate(&self.info, req.prompt_tokens.len(), &req.params)?;
-        let (tx, rx) = unbounded_channel();
-        self.tx
-            .send(Command::Submit(req, tx))
-            .map_err(|_| EngineError::ShutDown)?;
-        Ok(rx)
-    }
-
-    /// Generates to completion (blocking): the output ids, the text and the
-    /// finish reason. For tests, benchmarks and the CLI.
-    pub fn generate_blocking(&self, req: GenerateRequest) -> Result<Generated> {
-        let mut rx = self.submit(req)?;
-        let mut out = Generated::default();
-        while let Some(ev) = rx.blocking_recv() {
-            match ev {
-                Event::Token { id, text, .. } => {
-                    out.tokens.push(id);
-                    out.text.push_str(&text);
-                }
-                Event::Done {
-                    reason,
-                    preemptions,
-                    ..
-                } => {
-                    out.finish_reason = Some(reason);
-                    out.preemptions = preemptions;
-                    return Ok(out);
-                }
-                Event::Error(e) => {
-                    return Err(EngineError::InvalidRequest {
-                        param: "request",
-                        message: e,
-                    })
-                }
-            }
-        }
-        Err(EngineError::ShutDown)
-    }
-
-    pub fn shutdown(&self) {
-        let _ = self.tx.send(Command::Shutdown);
-    }
-
-    /// Shuts the engine down and waits until its thread has ended, so its
-    /// model and KV pool are freed (GPU memory included) when this returns.
-    pub fn shutdown_and_wait(&self) {
-        self.shutdown();
-        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(t) = thread {
-            let _ = t.join();
-        }
-    }
-}
-
-#[derive(Debug, Default, Clone)]
-pub struct Generated {
-    pub tokens: Vec<u32>,
-    pub text: String,
-    pub finish_reason: Option<FinishReason>,
-    pub preemptions: u32,
-}
-
 /// A private KV pool just large enough for `n_tokens` of one sequence, and
 /// its block table: for scoring a text outside the scheduler.
 pub fn scratch_cache(model: &Model, n_tokens: usize, kv_dtype: KvDtype) -> (KvPool, Vec<u32>) {
@@ -1075,179 +789,4 @@ pub fn prompt_logits(model: &Model, tokens: &[u32], kv_dtype: KvDtype) -> Result
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::load::{load, LoadOptions};
-    use crate::precision::Precision;
-
-    /// A CPU runner that claims device sampling and counts which path the
-    /// engine takes, recording the picks it was handed.
-    struct Counting {
-        inner: CpuRunner,
-        device_calls: Arc<AtomicUsize>,
-        logits_calls: Arc<AtomicUsize>,
-        picks: Arc<Mutex<Vec<DevicePick>>>,
-    }
-
-    impl StepRunner for Counting {
-        fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
-            self.logits_calls.fetch_add(1, Ordering::Relaxed);
-            self.inner.forward(chunks)
-        }
-        fn samples_on_device(&self) -> bool {
-            true
-        }
-        fn forward_sample(
-            &mut self,
-            chunks: &[SeqChunk],
-            picks: &[DevicePick],
-        ) -> Result<Vec<u32>> {
-            self.device_calls.fetch_add(1, Ordering::Relaxed);
-            self.picks.lock().unwrap().extend_from_slice(picks);
-            Ok(self
-                .inner
-                .forward(chunks)?
-                .iter()
-                .zip(picks)
-                .map(|(l, p)| p.pick(l))
-                .collect())
-        }
-    }
-
-    fn run(engine: &mut Engine, temperature: f32) -> Vec<u32> {
-        run_with(engine, temperature, 0)
-    }
-
-    fn run_with(engine: &mut Engine, temperature: f32, top_k: usize) -> Vec<u32> {
-        run_together(engine, &[(temperature, top_k)]).remove(0)
-    }
-
-    /// Requests (temperature, top_k) added together and run to the end:
-    /// their tokens, in order.
-    fn run_together(engine: &mut Engine, reqs: &[(f32, usize)]) -> Vec<Vec<u32>> {
-        let rxs: Vec<_> = reqs
-            .iter()
-            .map(|&(temperature, top_k)| {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                let params = SamplingParams {
-                    temperature,
-                    top_p: 0.9,
-                    top_k,
-                    seed: Some(3),
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(6)
-                };
-                engine
-                    .add_request(
-                        GenerateRequest {
-                            prompt_tokens: vec![5, 17, 99, 3],
-                            params,
-                        },
-                        tx,
-                    )
-                    .unwrap();
-                rx
-            })
-            .collect();
-        while engine.has_work() {
-            engine.step().unwrap();
-        }
-        rxs.into_iter()
-            .map(|mut rx| {
-                let mut out = vec![];
-                while let Ok(ev) = rx.try_recv() {
-                    if let Event::Token { id, .. } = ev {
-                        out.push(id);
-                    }
-                }
-                out
-            })
-            .collect()
-    }
-
-    /// With a runner that samples on its device, greedy and top-p steps go
-    /// through it (greedy: the host sampler's tokens; top-p: one seeded
-    /// draw per token, reproducible), and only a top-k request gets logits.
-    #[test]
-    fn steps_sample_on_the_runners_device_unless_top_k() {
-        let opts = LoadOptions {
-            precision: Precision::F32,
-            tokenizer: None,
-        };
-        let cfg = EngineConfig {
-            kv_budget: KvBudget::Bytes(1 << 20),
-            ..EngineConfig::default()
-        };
-        let plain = load("dummy:tiny@9", &opts).unwrap();
-        let mut host =
-            Engine::new(plain.model, Arc::new(plain.tokenizer), plain.info, &cfg).unwrap();
-        let want = run(&mut host, 0.0);
-
-        let l = load("dummy:tiny@9", &opts).unwrap();
-        let (device_calls, logits_calls) =
-            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let picks = Arc::new(Mutex::new(Vec::new()));
-        let mc = l.model.config.clone();
-        let g = KvGeometry {
-            num_layers: mc.num_layers,
-            num_blocks: host.info.kv_blocks_total,
-            block_size: cfg.block_size,
-            num_kv_heads: mc.num_kv_heads,
-            head_dim: mc.head_dim,
-        };
-        let kv = KvPool::new(g, cfg.kv_dtype);
-        let (bpt, bytes) = (kv.bytes_per_token(), kv.bytes());
-        let runner = Counting {
-            inner: CpuRunner { model: l.model, kv },
-            device_calls: device_calls.clone(),
-            logits_calls: logits_calls.clone(),
-            picks: picks.clone(),
-        };
-        let mut dev = Engine::assemble(
-            Box::new(runner),
-            &mc,
-            g.num_blocks,
-            bpt,
-            bytes,
-            Arc::new(l.tokenizer),
-            l.info,
-            &cfg,
-        );
-        assert_eq!(run(&mut dev, 0.0), want);
-        assert!(device_calls.load(Ordering::Relaxed) >= 6);
-        assert!(picks
-            .lock()
-            .unwrap()
-            .iter()
-            .all(|p| *p == DevicePick::GREEDY));
-        assert_eq!(logits_calls.load(Ordering::Relaxed), 0);
-
-        // top-p on the device: one uniform draw per token from the
-        // sequence's seeded generator, so the same seed gives the same
-        // completion; no logits come back.
-        picks.lock().unwrap().clear();
-        let a = run(&mut dev, 1.0);
-        let drawn: Vec<DevicePick> = std::mem::take(&mut *picks.lock().unwrap());
-        assert_eq!(a.len(), 6);
-        assert_eq!(drawn.len(), 6);
-        assert!(drawn
-            .iter()
-            .all(|p| p.temperature == 1.0 && p.top_p == 0.9 && (0.0..1.0).contains(&p.u)));
-        assert!(drawn.windows(2).any(|w| w[0].u != w[1].u));
-        assert_eq!(run(&mut dev, 1.0), a);
-        assert_eq!(logits_calls.load(Ordering::Relaxed), 0);
-
-        // top-k is a host cut: that request's steps copy logits.
-        assert_eq!(run_with(&mut dev, 1.0, 2).len(), 6);
-        let host_steps = logits_calls.load(Ordering::Relaxed);
-        assert!(host_steps >= 6, "top-k sampling needs logits");
-        // A top-p request sharing those steps with a top-k one still draws
-        // as the device does: its seed gives the tokens it gave alone. (A
-        // high temperature spreads the nucleus, so the host's sort-order
-        // draw would pick other tokens.)
-        let alone = run_with(&mut dev, 8.0, 0);
-        let both = run_together(&mut dev, &[(8.0, 0), (8.0, 2)]);
-        assert!(logits_calls.load(Ordering::Relaxed) > host_steps);
-        assert_eq!(both[0], alone);
-    }
-}
+mod tests;

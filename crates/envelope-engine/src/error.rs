@@ -42,6 +42,8 @@ pub enum EngineError {
     },
     #[error("the engine has shut down")]
     ShutDown,
+    #[error("an engine step panicked ({message}); its {failed} sequences failed")]
+    StepPanicked { message: String, failed: usize },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]

@@ -52,8 +52,32 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// An unknown path: 404 in the OpenAI error shape, like every other error.
+async fn no_route(uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no such endpoint: {}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
+}
+
+/// A known path with the wrong method: 405 in the OpenAI error shape.
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} does not take {method}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
+    }
 }
 
 fn unix_now() -> u64 {

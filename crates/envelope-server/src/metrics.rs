@@ -18,6 +18,7 @@ pub struct ServerMetrics {
     kv_blocks_total: Gauge,
     kv_capacity_tokens: Gauge,
     preemptions: Counter,
+    step_panics: Counter,
     prompt_tokens: Counter,
     generation_tokens: Counter,
     pub requests_success: Counter,
@@ -36,6 +37,7 @@ pub const NAMES: &[&str] = &[
     "envelope:kv_cache_blocks_total",
     "envelope:kv_cache_capacity_tokens",
     "envelope:num_preemptions_total",
+    "envelope:engine_step_panics_total",
     "envelope:prompt_tokens_total",
     "envelope:generation_tokens_total",
     "envelope:request_success_total",
@@ -55,6 +57,7 @@ impl ServerMetrics {
             kv_blocks_total: Gauge::default(),
             kv_capacity_tokens: Gauge::default(),
             preemptions: Counter::default(),
+            step_panics: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             requests_success: Counter::default(),
@@ -95,6 +98,11 @@ impl ServerMetrics {
             "envelope:num_preemptions",
             "Sequences preempted (recompute)",
             m.preemptions.clone(),
+        );
+        registry.register(
+            "envelope:engine_step_panics",
+            "Engine steps that panicked; their requests failed with a 500, the engine went on",
+            m.step_panics.clone(),
         );
         registry.register(
             "envelope:prompt_tokens",
@@ -151,6 +159,10 @@ impl ServerMetrics {
         catch_up(
             &self.preemptions,
             e.preemptions_total.load(Ordering::Relaxed),
+        );
+        catch_up(
+            &self.step_panics,
+            e.step_panics_total.load(Ordering::Relaxed),
         );
         catch_up(
             &self.prompt_tokens,
