@@ -295,3 +295,38 @@ mod tests {
         assert_eq!(r.headers()["x-should-retry"], "false");
     }
 }
+
+/// What stops the governor from starting (or reloading): each names the
+/// setting or file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A required setting is absent from the flags, the environment and
+    /// the config file.
+    #[error("--{flag} is required (flag, ENVELOPE_GOVERN_{env} or `{field}` in --config)", flag = .0.replace('_', "-"), env = .0.to_uppercase(), field = .0)]
+    Missing(&'static str),
+    #[error("reading {what} {}: {cause}", path.display())]
+    Read {
+        what: &'static str,
+        path: std::path::PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("parsing --config {}: {message}", path.display())]
+    ConfigFile {
+        path: std::path::PathBuf,
+        message: String,
+    },
+    #[error(transparent)]
+    Profile(#[from] envelope_profile::ProfileError),
+    /// An invalid setting, tenants file or tokenizer, said in full.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the profile {profile} does not match this node: {list} (--on-mismatch refuse)")]
+    Mismatch { profile: String, list: String },
+    #[error("binding --listen {listen}: {cause}")]
+    Bind {
+        listen: String,
+        cause: std::io::Error,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}

@@ -7,9 +7,12 @@
 //! Bookkeeping is plain data with unit tests ([`ledger`], [`queue`],
 //! [`ladder`], [`estimate`], [`policy`], [`request`]); [`admission`] and
 //! [`proxy`] wrap it in a thin async layer; [`error`] is the one mapping
-//! from failures to HTTP status, OpenAI body and reason label.
+//! from failures to HTTP status, OpenAI body and reason label. [`config`]
+//! holds every setting (flags, environment, TOML file, defaults) and
+//! [`start`] runs the process: checks, background tasks, reload, drain.
 
 pub mod admission;
+pub mod config;
 pub mod error;
 pub mod estimate;
 pub mod identity;
@@ -23,18 +26,16 @@ pub mod proxy;
 pub mod queue;
 pub mod request;
 pub mod settings;
+pub mod start;
 pub mod tokens;
 
 pub use admission::{Ask, Governor, Permit};
-pub use error::{GovernError, OverloadReason};
+pub use config::{GovernArgs, OnMismatch, TokenCount};
+pub use error::{GovernError, OverloadReason, StartError};
 pub use ladder::{LadderConfig, Level, Reading};
 pub use latency::LatencyConfig;
 pub use ledger::{Demand, Share};
 pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
 pub use queue::Class;
-/// Re-exported for the CLI's start-up checks.
-pub use reqwest;
 pub use settings::{Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 pub use tokens::{CountSource, TokenCounter};
-/// Re-exported so the CLI can read its TOML config without its own dependency.
-pub use toml;

@@ -1,0 +1,390 @@
+//! The governor's configuration in one place: every flag is also a
+//! `--config` TOML field and an environment variable; a flag wins over the
+//! file, the file over the default; [`GovernArgs::settings`] turns a
+//! profile and the overrides into [`Settings`].
+
+use crate::error::StartError;
+use crate::{live, Beyond, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile};
+use clap::Args;
+use envelope_profile::Profile;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// How prompt tokens are counted without `--tokenizer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenCount {
+    /// The upstream's `/tokenize` if it answers at start, else the estimate.
+    Auto,
+    /// Always the upstream's `/tokenize`.
+    Upstream,
+    /// The local estimate (an upper bound).
+    Estimate,
+}
+
+/// What to do when the profile's fingerprint does not match the node or
+/// the upstream's model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMismatch {
+    /// Do not start.
+    Refuse,
+    /// Start with half the profile's concurrency and KV budget.
+    Conservative,
+    /// Start with the profile as it is.
+    Ignore,
+}
+
+/// One struct for flags and the TOML config (mistral.rs does the same);
+/// a flag wins over the file, the file over the default.
+#[derive(Args, Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GovernArgs {
+    /// A TOML file with any of these fields (snake_case names).
+    #[arg(long, env = "ENVELOPE_GOVERN_CONFIG")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// The profile to enforce (written by `envelope sweep`).
+    #[arg(long, env = "ENVELOPE_GOVERN_PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// The OpenAI-compatible server to protect.
+    #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM")]
+    pub upstream: Option<String>,
+    /// Address to listen on (port 0 picks one; the URL is printed on stdout).
+    #[arg(long, env = "ENVELOPE_GOVERN_LISTEN")]
+    pub listen: Option<String>,
+    /// Override the profile's limits.max_context_tokens (prompt + max_tokens).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONTEXT_TOKENS")]
+    pub max_context_tokens: Option<u64>,
+    /// Override the profile's limits.max_output_tokens.
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_OUTPUT_TOKENS")]
+    pub max_output_tokens: Option<u64>,
+    /// Override the profile's limits.max_concurrent_seqs (n > 1 counts n).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONCURRENT_SEQS")]
+    pub max_concurrent_seqs: Option<u64>,
+    /// Override the profile's limits.max_kv_tokens_in_flight (sum of prompt + max_tokens reserved).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_KV_TOKENS_IN_FLIGHT")]
+    pub max_kv_tokens_in_flight: Option<u64>,
+    /// max_tokens over the output cap: clamp (default) or reject.
+    #[arg(long, env = "ENVELOPE_GOVERN_OVER_LIMIT")]
+    pub over_limit: Option<OverLimit>,
+    /// Most requests waiting (default 256).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_QUEUE_LEN")]
+    pub max_queue_len: Option<usize>,
+    /// Most KV tokens waiting (default 4 x the KV budget).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_QUEUE_TOKENS")]
+    pub max_queue_tokens: Option<u64>,
+    /// Longest wait in the queue, ms (default 30000).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_QUEUE_AGE_MS")]
+    pub max_queue_age_ms: Option<u64>,
+    /// Deadline of interactive requests without X-Request-Deadline-Ms, ms (default 30000).
+    #[arg(long, env = "ENVELOPE_GOVERN_INTERACTIVE_DEADLINE_MS")]
+    pub interactive_deadline_ms: Option<u64>,
+    /// Deadline of batch requests (x-envelope-class: batch), ms (default 300000).
+    #[arg(long, env = "ENVELOPE_GOVERN_BATCH_DEADLINE_MS")]
+    pub batch_deadline_ms: Option<u64>,
+    /// Largest request body, bytes (default 8 MiB).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_BODY_BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Time to the upstream's response headers, ms (default 600000; bounds a whole non-streaming generation).
+    #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM_TIMEOUT_MS")]
+    pub upstream_timeout_ms: Option<u64>,
+    /// Longest silence inside an upstream response, ms (default 60000).
+    #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM_IDLE_TIMEOUT_MS")]
+    pub upstream_idle_timeout_ms: Option<u64>,
+    /// The served model's .gguf file or tokenizer.json: exact counts without a round trip to the upstream.
+    #[arg(long, env = "ENVELOPE_GOVERN_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Token counting without --tokenizer: auto (upstream /tokenize if it answers, else estimate), upstream, estimate.
+    #[arg(long, env = "ENVELOPE_GOVERN_TOKEN_COUNT")]
+    pub token_count: Option<TokenCount>,
+    /// Bytes per token of the estimate (default 1: an upper bound for byte-level tokenizers; above 1, crafted text can be under-counted).
+    #[arg(long, env = "ENVELOPE_GOVERN_ESTIMATE_BYTES_PER_TOKEN")]
+    pub estimate_bytes_per_token: Option<f64>,
+    /// Tenants file (TOML: shares, weights, API keys; see the README).
+    #[arg(long, env = "ENVELOPE_GOVERN_TENANTS")]
+    pub tenants: Option<PathBuf>,
+    /// Live guard polling the upstream's /metrics (default true).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD")]
+    pub guard: Option<bool>,
+    /// Live guard interval, ms (default 1000).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD_INTERVAL_MS")]
+    pub guard_interval_ms: Option<u64>,
+    /// Metrics URL for the live guard (default: upstream + /metrics).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD_METRICS_URL")]
+    pub guard_metrics_url: Option<String>,
+    /// Upstream KV use (0..1) at which caps tighten (default 0.90).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD_SMALL_KV")]
+    pub guard_small_kv: Option<f64>,
+    /// Upstream KV use (0..1) at which new requests are refused (default 0.98).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD_REJECT_KV")]
+    pub guard_reject_kv: Option<f64>,
+    /// GPU free memory floor for REJECT_NEW, bytes (NVML only).
+    #[arg(long, env = "ENVELOPE_GOVERN_GUARD_MIN_GPU_FREE_BYTES")]
+    pub guard_min_gpu_free_bytes: Option<u64>,
+    /// Profile fingerprint differs from the node: refuse, conservative (half the capacity, default), ignore.
+    #[arg(long, env = "ENVELOPE_GOVERN_ON_MISMATCH")]
+    pub on_mismatch: Option<OnMismatch>,
+    /// A request past the profile's largest measured bucket: refuse (400 naming the bucket, default) or alone (admitted by itself, charged the whole node).
+    #[arg(long, env = "ENVELOPE_GOVERN_BEYOND_ENVELOPE")]
+    pub beyond_envelope: Option<Beyond>,
+    /// TTFT budget of interactive requests (queue wait + the bucket's measured TTFT), ms (default: the profile's TTFT SLO).
+    #[arg(long, env = "ENVELOPE_GOVERN_INTERACTIVE_TTFT_BUDGET_MS")]
+    pub interactive_ttft_budget_ms: Option<f64>,
+    /// TTFT budget of batch requests, ms (default: none, only the deadline).
+    #[arg(long, env = "ENVELOPE_GOVERN_BATCH_TTFT_BUDGET_MS")]
+    pub batch_ttft_budget_ms: Option<f64>,
+    /// Over the TTFT budget: shed (429 with Retry-After, default) or queue (until the deadline).
+    #[arg(long, env = "ENVELOPE_GOVERN_OVER_BUDGET")]
+    pub over_budget: Option<OverBudget>,
+    /// Latency guard: lower the admitted share of the envelope while proxied TTFT/ITL p95 break the profile's SLOs (default true).
+    #[arg(long, env = "ENVELOPE_GOVERN_LATENCY_GUARD")]
+    pub latency_guard: Option<bool>,
+    /// Time in-flight requests get to finish after SIGTERM, ms (default 30000).
+    #[arg(long, env = "ENVELOPE_GOVERN_DRAIN_TIMEOUT_MS")]
+    pub drain_timeout_ms: Option<u64>,
+    /// Token for /admin/* from other hosts (loopback needs none).
+    #[arg(long, env = "ENVELOPE_GOVERN_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// A client's request headers must arrive within this, ms (default 10000).
+    #[arg(long, env = "ENVELOPE_GOVERN_HEADER_READ_TIMEOUT_MS")]
+    pub header_read_timeout_ms: Option<u64>,
+    /// Most client connections open at once; more wait to be accepted (default 4096).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// TCP connect to the upstream, ms (default 5000).
+    #[arg(long, env = "ENVELOPE_GOVERN_CONNECT_TIMEOUT_MS")]
+    pub connect_timeout_ms: Option<u64>,
+    /// A request's whole lifetime, queue and answer, ms; a stream still running then ends with an SSE error event (default 900000).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_REQUEST_MS")]
+    pub max_request_ms: Option<u64>,
+    /// GET paths forwarded to the upstream, comma-separated; `prefix*` matches a prefix (default /v1/models,/v1/models/*,/health,/healthz,/ready,/version).
+    #[arg(long, env = "ENVELOPE_GOVERN_PASSTHROUGH_PATHS", value_delimiter = ',')]
+    pub passthrough_paths: Option<Vec<String>>,
+    /// Counting one request's prompt tokens, ms; past it the bound estimate counts (default 2000).
+    #[arg(long, env = "ENVELOPE_GOVERN_COUNT_TIMEOUT_MS")]
+    pub count_timeout_ms: Option<u64>,
+    /// Requests being counted at once; more wait within the count timeout (default 64).
+    #[arg(long, env = "ENVELOPE_GOVERN_MAX_COUNTING")]
+    pub max_counting: Option<usize>,
+    /// Prompt tokens charged per image part of a chat message (default 2048).
+    #[arg(long, env = "ENVELOPE_GOVERN_IMAGE_PART_TOKENS")]
+    pub image_part_tokens: Option<u64>,
+    /// Prompt tokens charged per audio part of a chat message (default 2048).
+    #[arg(long, env = "ENVELOPE_GOVERN_AUDIO_PART_TOKENS")]
+    pub audio_part_tokens: Option<u64>,
+}
+
+macro_rules! merge {
+    ($a:ident, $b:ident, $($f:ident),*) => { $( if $a.$f.is_none() { $a.$f = $b.$f.clone(); } )* };
+}
+
+impl GovernArgs {
+    /// Flags over the config file's fields.
+    ///
+    /// # Errors
+    /// The file cannot be read, or is not TOML with these fields.
+    pub fn with_config(mut self) -> Result<GovernArgs, StartError> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path).map_err(|cause| StartError::Read {
+            what: "--config",
+            path: path.clone(),
+            cause,
+        })?;
+        let f: GovernArgs = toml::from_str(&text).map_err(|e| StartError::ConfigFile {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        merge!(
+            self,
+            f,
+            profile,
+            upstream,
+            listen,
+            max_context_tokens,
+            max_output_tokens,
+            max_concurrent_seqs,
+            max_kv_tokens_in_flight,
+            over_limit,
+            max_queue_len,
+            max_queue_tokens,
+            max_queue_age_ms,
+            interactive_deadline_ms,
+            batch_deadline_ms,
+            max_body_bytes,
+            upstream_timeout_ms,
+            upstream_idle_timeout_ms,
+            tokenizer,
+            token_count,
+            estimate_bytes_per_token,
+            tenants,
+            guard,
+            guard_interval_ms,
+            guard_metrics_url,
+            guard_small_kv,
+            guard_reject_kv,
+            guard_min_gpu_free_bytes,
+            on_mismatch,
+            drain_timeout_ms,
+            admin_token,
+            beyond_envelope,
+            interactive_ttft_budget_ms,
+            batch_ttft_budget_ms,
+            over_budget,
+            latency_guard,
+            header_read_timeout_ms,
+            max_connections,
+            connect_timeout_ms,
+            max_request_ms,
+            passthrough_paths,
+            count_timeout_ms,
+            max_counting,
+            image_part_tokens,
+            audio_part_tokens
+        );
+        Ok(self)
+    }
+
+    /// Profile (read and validated) plus overrides -> settings.
+    ///
+    /// # Errors
+    /// The profile or the tenants file cannot be read or is invalid, or
+    /// the overrides make invalid settings.
+    pub fn settings(
+        &self,
+        profile_path: &Path,
+        conservative: bool,
+    ) -> Result<Settings, StartError> {
+        let shown = profile_path.display().to_string();
+        let text = std::fs::read_to_string(profile_path).map_err(|cause| StartError::Read {
+            what: "--profile",
+            path: profile_path.to_path_buf(),
+            cause,
+        })?;
+        let profile = Profile::from_json(&text, &shown)?;
+        let mut limits = profile.limits.clone();
+        if conservative {
+            limits = live::conservative(&limits);
+        }
+        if let Some(v) = self.max_context_tokens {
+            limits.max_context_tokens = v;
+        }
+        if let Some(v) = self.max_output_tokens {
+            limits.max_output_tokens = v;
+        }
+        if let Some(v) = self.max_concurrent_seqs {
+            limits.max_concurrent_seqs = v;
+        }
+        if let Some(v) = self.max_kv_tokens_in_flight {
+            limits.max_kv_tokens_in_flight = v;
+        }
+        let mut s = Settings::from_profile(&profile, limits);
+        s.over_limit = self.over_limit.unwrap_or(OverLimit::Clamp);
+        s.beyond = self.beyond_envelope.unwrap_or(Beyond::Refuse);
+        if self.interactive_ttft_budget_ms.is_some() {
+            s.interactive_ttft_budget_ms = self.interactive_ttft_budget_ms;
+        }
+        s.batch_ttft_budget_ms = self.batch_ttft_budget_ms;
+        s.over_budget = self.over_budget.unwrap_or(OverBudget::Shed);
+        s.latency.enabled = self.latency_guard.unwrap_or(true);
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = self.$f { s.$f = v; } )* };
+        }
+        set!(
+            max_queue_len,
+            max_queue_tokens,
+            max_queue_age_ms,
+            interactive_deadline_ms,
+            batch_deadline_ms,
+            max_body_bytes,
+            upstream_timeout_ms,
+            upstream_idle_timeout_ms,
+            header_read_timeout_ms,
+            max_connections,
+            connect_timeout_ms,
+            max_request_ms,
+            count_timeout_ms,
+            max_counting,
+            image_part_tokens,
+            audio_part_tokens
+        );
+        if let Some(p) = &self.passthrough_paths {
+            s.passthrough_paths = p.clone();
+        }
+        if let Some(p) = &self.tenants {
+            let t = std::fs::read_to_string(p).map_err(|cause| StartError::Read {
+                what: "--tenants",
+                path: p.clone(),
+                cause,
+            })?;
+            s.tenants = TenantsFile::from_toml(&t, &p.display().to_string())
+                .map_err(StartError::Invalid)?;
+        }
+        s.ladder = LadderConfig {
+            small_kv_usage: self.guard_small_kv.unwrap_or(0.90),
+            reject_kv_usage: self.guard_reject_kv.unwrap_or(0.98),
+            min_gpu_free_bytes: self.guard_min_gpu_free_bytes,
+            ..LadderConfig::default()
+        };
+        s.admin_token = self.admin_token.clone();
+        s.validate()
+            .map_err(|e| StartError::Invalid(format!("{shown} with overrides: {e}")))?;
+        Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: GovernArgs,
+    }
+
+    #[test]
+    fn flags_win_over_the_config_file() {
+        let dir = std::env::temp_dir().join(format!("envelope-govern-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("g.toml");
+        std::fs::write(
+            &cfg,
+            "profile = \"p.json\"\nupstream = \"http://u\"\nmax_concurrent_seqs = 3\nover_limit = \"reject\"\n",
+        )
+        .unwrap();
+        let t = T::try_parse_from([
+            "t",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--upstream",
+            "http://flag",
+        ])
+        .unwrap();
+        let a = t.a.with_config().unwrap();
+        assert_eq!(a.upstream.as_deref(), Some("http://flag"));
+        assert_eq!(a.profile.as_deref(), Some(Path::new("p.json")));
+        assert_eq!(a.max_concurrent_seqs, Some(3));
+        assert_eq!(a.over_limit, Some(OverLimit::Reject));
+        std::fs::write(
+            &cfg,
+            "token_count = \"estimate\"\non_mismatch = \"refuse\"\n",
+        )
+        .unwrap();
+        let t = T::try_parse_from(["t", "--config", cfg.to_str().unwrap()]).unwrap();
+        let a = t.a.with_config().unwrap();
+        assert_eq!(a.token_count, Some(TokenCount::Estimate));
+        assert_eq!(a.on_mismatch, Some(OnMismatch::Refuse));
+        std::fs::write(&cfg, "on_mismatch = \"maybe\"\n").unwrap();
+        let t = T::try_parse_from(["t", "--config", cfg.to_str().unwrap()]).unwrap();
+        assert!(t.a.with_config().is_err());
+        assert!(T::try_parse_from(["t", "--token-count", "guess"]).is_err());
+        std::fs::write(&cfg, "nonsense_field = 1\n").unwrap();
+        let t = T::try_parse_from(["t", "--config", cfg.to_str().unwrap()]).unwrap();
+        assert!(t.a.with_config().is_err());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -1,0 +1,292 @@
+//! Starting `envelope govern`: the checks (the profile's fingerprint
+//! against the live node and the upstream's model), the token counter, the
+//! background tasks (latency tick, live guard, hot reload on SIGHUP or a
+//! file change) and the drain on SIGTERM.
+
+use crate::config::{GovernArgs, OnMismatch, TokenCount};
+use crate::error::StartError;
+use crate::{live, AppState, Governor, TokenCounter};
+use envelope_profile::Profile;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// Runs the governor until SIGTERM (or Ctrl-C) and its drain.
+///
+/// # Errors
+/// What stops it from starting: a missing or invalid setting, profile or
+/// tenants file, a refused fingerprint mismatch, an address it cannot bind.
+pub fn run(args: GovernArgs) -> Result<(), StartError> {
+    let args = args.with_config()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(args))
+}
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+async fn get_json(client: &reqwest::Client, url: &str) -> Option<serde_json::Value> {
+    let r = client
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    r.json().await.ok()
+}
+
+async fn pick_counter(
+    args: &GovernArgs,
+    client: &reqwest::Client,
+    upstream: &str,
+) -> Result<TokenCounter, StartError> {
+    if let Some(p) = &args.tokenizer {
+        return TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid);
+    }
+    let estimate = TokenCounter::Estimate {
+        bytes_per_token: args
+            .estimate_bytes_per_token
+            .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN),
+    };
+    let url = format!("{upstream}/tokenize");
+    let upstream_counter = TokenCounter::Upstream {
+        client: client.clone(),
+        url: url.clone(),
+        timeout: Duration::from_secs(10),
+    };
+    match args.token_count.unwrap_or(TokenCount::Auto) {
+        TokenCount::Estimate => Ok(estimate),
+        TokenCount::Upstream => Ok(upstream_counter),
+        TokenCount::Auto => {
+            let probe = client
+                .post(&url)
+                .json(&serde_json::json!({"prompt": "probe"}))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await;
+            match probe {
+                Ok(r) if r.status().is_success() => Ok(upstream_counter),
+                Ok(r) => {
+                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN));
+                    Ok(estimate)
+                }
+                // Not up yet: count with it once it is (requests get 502 while
+                // it is down, as they would from the upstream itself).
+                Err(e) => {
+                    tracing::warn!("{url} is not reachable yet ({e}); counting with it once it is");
+                    Ok(upstream_counter)
+                }
+            }
+        }
+    }
+}
+
+fn gpus() -> Vec<(Option<String>, Option<u64>)> {
+    match envelope_telemetry::Nvml::init() {
+        Ok(n) => (0..n.device_count())
+            .map(|i| {
+                let info = n.info(i);
+                (info.name, info.memory_total_bytes)
+            })
+            .collect(),
+        Err(_) => vec![],
+    }
+}
+
+async fn run_async(args: GovernArgs) -> Result<(), StartError> {
+    let Some(profile_path) = args.profile.clone() else {
+        return Err(StartError::Missing("profile"));
+    };
+    let Some(upstream) = args.upstream.clone() else {
+        return Err(StartError::Missing("upstream"));
+    };
+    let upstream = upstream.trim_end_matches('/').to_string();
+    let listen = args
+        .listen
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1:9000".into());
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| StartError::Invalid(format!("the upstream client: {e}")))?;
+
+    // Profile checks: the node and the upstream's model against the fingerprint.
+    let shown = profile_path.display().to_string();
+    let text = std::fs::read_to_string(&profile_path).map_err(|cause| StartError::Read {
+        what: "--profile",
+        path: profile_path.clone(),
+        cause,
+    })?;
+    let profile = Profile::from_json(&text, &shown)?;
+    let models = get_json(&client, &format!("{upstream}/v1/models")).await;
+    if models.is_none() {
+        tracing::warn!("{upstream}/v1/models did not answer; the model id is not checked");
+    }
+    let mismatches = live::fingerprint_mismatches(&profile, models.as_ref(), &gpus());
+    let mut conservative = false;
+    if !mismatches.is_empty() {
+        let list = mismatches.join("; ");
+        match args.on_mismatch.unwrap_or(OnMismatch::Conservative) {
+            OnMismatch::Refuse => {
+                return Err(StartError::Mismatch {
+                    profile: shown,
+                    list,
+                })
+            }
+            OnMismatch::Conservative => {
+                conservative = true;
+                tracing::warn!("!!! PROFILE MISMATCH: {list}. Running with HALF the profile's concurrency and KV budget (--on-mismatch conservative). Measure this node with `envelope sweep`. !!!");
+            }
+            OnMismatch::Ignore => {
+                tracing::warn!("profile mismatch ignored (--on-mismatch ignore): {list}")
+            }
+        }
+    }
+    let settings = args.settings(&profile_path, conservative)?;
+    let counter = pick_counter(&args, &client, &upstream).await?;
+    let l = &settings.limits;
+    tracing::info!(
+        profile = %settings.profile_id, max_context_tokens = l.max_context_tokens,
+        max_output_tokens = l.max_output_tokens, max_concurrent_seqs = l.max_concurrent_seqs,
+        max_kv_tokens_in_flight = l.max_kv_tokens_in_flight, counter = ?counter, "enforcing"
+    );
+    let table: Vec<String> = l
+        .buckets
+        .iter()
+        .map(|b| format!("{} safe at {}", b.label(), b.safe_concurrency))
+        .collect();
+    tracing::info!("envelope per bucket (each sequence charged 1 / safe concurrency of the smallest bucket covering prompt + max_tokens): {}", table.join(", "));
+    let lat = &settings.latency;
+    let least_safe = l
+        .buckets
+        .iter()
+        .map(|b| b.safe_concurrency)
+        .min()
+        .unwrap_or(1);
+    if lat.active() && least_safe <= 1 {
+        tracing::warn!("latency guard: on, but it cannot lower anything: its floor is one sequence of the costliest bucket, which is safe at 1 (the whole node)");
+    } else if lat.active() {
+        tracing::info!(
+            ttft_p95_ms = ?lat.ttft_slo_ms, itl_p95_ms = ?lat.itl_slo_ms, e2e_ms = ?lat.e2e_slo_ms,
+            "latency guard: on (proxied TTFT, inter-token gaps and non-streaming e2e against the profile's SLOs)"
+        );
+    } else if lat.enabled {
+        tracing::warn!("latency guard: off, the profile has no latency SLO to hold");
+    }
+    if !args.guard.unwrap_or(true) {
+        tracing::warn!("live guard: off (--guard false): upstream metrics are not polled");
+    }
+    let gov = Governor::new(settings);
+    // The latency guard climbs back in time when traffic is too thin to judge.
+    {
+        let gov = gov.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                gov.tick_latency();
+            }
+        });
+    }
+    let mut state = AppState::new(gov.clone(), &upstream, counter);
+    let reload: crate::ReloadHook = {
+        let gov = gov.clone();
+        let args = args.clone();
+        let path = profile_path.clone();
+        Arc::new(move || {
+            let r = args
+                .settings(&path, conservative)
+                .map_err(|e| e.to_string())
+                .and_then(|s| {
+                    let id = s.profile_id.clone();
+                    gov.reload(s).map(|_| id)
+                });
+            let outcome = if r.is_ok() { "ok" } else { "rejected" };
+            gov.metrics
+                .reloads
+                .get_or_create(&crate::metrics::label("outcome", outcome))
+                .inc();
+            match &r {
+                Ok(id) => tracing::info!("profile reloaded: {id}"),
+                Err(e) => {
+                    tracing::error!("profile reload REJECTED, keeping the last good one: {e}")
+                }
+            }
+            r
+        })
+    };
+    state.reload = Some(reload.clone());
+    if args.guard.unwrap_or(true) {
+        let url = args
+            .guard_metrics_url
+            .clone()
+            .unwrap_or_else(|| format!("{upstream}/metrics"));
+        live::spawn_guard(
+            gov.clone(),
+            url,
+            Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+        );
+    }
+    // Hot reload: SIGHUP and a change of the profile or the tenants file.
+    {
+        let reload = reload.clone();
+        let paths: Vec<PathBuf> = std::iter::once(profile_path.clone())
+            .chain(args.tenants.clone())
+            .collect();
+        let mtimes = move || paths.iter().map(|p| mtime(p)).collect::<Vec<_>>();
+        tokio::spawn(async move {
+            let mut last = mtimes();
+            let mut hup =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            loop {
+                let tick = tokio::time::sleep(Duration::from_secs(1));
+                let hupped = match hup.as_mut() {
+                    Some(h) => tokio::select! { _ = h.recv() => true, _ = tick => false },
+                    None => {
+                        tick.await;
+                        false
+                    }
+                };
+                let now = mtimes();
+                if hupped || now != last {
+                    last = now;
+                    let _ = reload();
+                }
+            }
+        });
+    }
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|cause| StartError::Bind {
+            listen: listen.clone(),
+            cause,
+        })?;
+    let addr = listener.local_addr()?;
+    println!("envelope govern listening on http://{addr}");
+    std::io::stdout().flush()?;
+    let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
+    let g = gov.clone();
+    let shutdown = async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+        tracing::info!(
+            "draining: new and queued requests get 503; waiting up to {} ms for {} in flight",
+            drain_timeout.as_millis(),
+            g.requests_in_flight()
+        );
+        // Queued requests get 503 now; in-flight ones get until the drain
+        // timeout, then an SSE error event (or a cut connection).
+        if g.drain(drain_timeout).await {
+            tracing::info!("drained: nothing in flight");
+        }
+    };
+    crate::serve(listener, Arc::new(state), shutdown).await?;
+    Ok(())
+}
