@@ -10,6 +10,15 @@ use envelope_profile::Profile;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
+/// A file a setting names, or an error naming the setting and the file.
+pub(crate) fn read(what: &'static str, path: &Path) -> Result<String, StartError> {
+    std::fs::read_to_string(path).map_err(|cause| StartError::Read {
+        what,
+        path: path.to_path_buf(),
+        cause,
+    })
+}
+
 /// How prompt tokens are counted without `--tokenizer`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -188,11 +197,7 @@ impl GovernArgs {
         let Some(path) = self.config.clone() else {
             return Ok(self);
         };
-        let text = std::fs::read_to_string(&path).map_err(|cause| StartError::Read {
-            what: "--config",
-            path: path.clone(),
-            cause,
-        })?;
+        let text = read("--config", &path)?;
         let f: GovernArgs = toml::from_str(&text).map_err(|e| StartError::ConfigFile {
             path: path.clone(),
             message: e.to_string(),
@@ -258,11 +263,7 @@ impl GovernArgs {
         conservative: bool,
     ) -> Result<Settings, StartError> {
         let shown = profile_path.display().to_string();
-        let text = std::fs::read_to_string(profile_path).map_err(|cause| StartError::Read {
-            what: "--profile",
-            path: profile_path.to_path_buf(),
-            cause,
-        })?;
+        let text = read("--profile", profile_path)?;
         let profile = Profile::from_json(&text, &shown)?;
         let mut limits = profile.limits.clone();
         if conservative {
@@ -314,11 +315,7 @@ impl GovernArgs {
             s.passthrough_paths = p.clone();
         }
         if let Some(p) = &self.tenants {
-            let t = std::fs::read_to_string(p).map_err(|cause| StartError::Read {
-                what: "--tenants",
-                path: p.clone(),
-                cause,
-            })?;
+            let t = read("--tenants", p)?;
             s.tenants = TenantsFile::from_toml(&t, &p.display().to_string())
                 .map_err(StartError::Invalid)?;
         }

@@ -116,11 +116,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
 
     // Profile checks: the node and the upstream's model against the fingerprint.
     let shown = profile_path.display().to_string();
-    let text = std::fs::read_to_string(&profile_path).map_err(|cause| StartError::Read {
-        what: "--profile",
-        path: profile_path.clone(),
-        cause,
-    })?;
+    let text = crate::config::read("--profile", &profile_path)?;
     let profile = Profile::from_json(&text, &shown)?;
     let models = get_json(&client, &format!("{upstream}/v1/models")).await;
     if models.is_none() {
