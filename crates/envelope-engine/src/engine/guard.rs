@@ -27,16 +27,23 @@ impl Engine {
             failed = self.seqs.keys().copied().collect();
         }
         let message = format!("the engine failed in this request's step: {what}");
-        for id in &failed {
-            if let Some(s) = self.seqs.remove(id) {
-                let _ = s.tx.send(Event::Error(message.clone()));
-            }
-            self.scheduler.remove(*id);
-        }
+        let removed: Vec<Sequence> = failed
+            .iter()
+            .filter_map(|id| {
+                self.scheduler.remove(*id);
+                self.seqs.remove(id)
+            })
+            .collect();
+        // Counted and published before anyone hears of it: a client that
+        // gets the error and reads the metrics sees the panic and the
+        // freed blocks.
         self.metrics
             .step_panics_total
             .fetch_add(1, Ordering::Relaxed);
         self.publish();
+        for s in removed {
+            let _ = s.tx.send(Event::Error(message.clone()));
+        }
         Err(EngineError::StepPanicked {
             message: what,
             failed: failed.len(),
