@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 echo "== model"
 bash scripts/fetch-model.sh
 
+echo "== module cycles and file sizes (no crate's modules import each other; no source over 800 lines)"
+python3 scripts/module-cycles.py
+
 echo "== fmt and clippy"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check

@@ -6,15 +6,6 @@
 
 use crate::error::{CudaError, Result};
 
-/// How the pool is sized.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum KvBudget {
-    /// Exactly this many bytes (must still fit in free memory).
-    Bytes(usize),
-    /// Grow total device use to this fraction of the memory (0, 1].
-    Utilization(f64),
-}
-
 /// Memory facts at the moment of sizing, after the weights are loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryState {
@@ -31,38 +22,50 @@ fn err(reason: String) -> CudaError {
     }
 }
 
-/// Bytes for the KV pool.
+/// The free bytes a pool may take: free memory less the workspace.
+pub fn available_bytes(m: MemoryState) -> usize {
+    m.free_bytes.saturating_sub(m.workspace_bytes)
+}
+
+/// A pool of exactly `bytes` (the engine's `KvBudget::Bytes`).
 ///
 /// # Errors
-/// When the budget is invalid or nothing is left for the pool; the message
-/// gives every figure in bytes.
-pub fn kv_pool_bytes(budget: KvBudget, m: MemoryState) -> Result<usize> {
-    let available = m.free_bytes.saturating_sub(m.workspace_bytes);
-    match budget {
-        KvBudget::Bytes(b) if b <= available => Ok(b),
-        KvBudget::Bytes(b) => Err(err(format!(
-            "{b} bytes asked, {available} available ({} free - {} workspace)",
-            m.free_bytes, m.workspace_bytes
-        ))),
-        KvBudget::Utilization(u) if !(u > 0.0 && u <= 1.0) => {
-            Err(err(format!("utilization {u} is outside (0, 1]")))
-        }
-        KvBudget::Utilization(u) => {
-            let target = (m.total_bytes as f64 * u) as usize;
-            let used = m.total_bytes - m.free_bytes.min(m.total_bytes);
-            // The workspace counts against the target like any other use.
-            let pool = target
-                .saturating_sub(used + m.workspace_bytes)
-                .min(available);
-            if pool == 0 {
-                return Err(err(format!(
-                    "utilization {u} of {} bytes leaves nothing: {used} bytes already used, {} workspace",
-                    m.total_bytes, m.workspace_bytes
-                )));
-            }
-            Ok(pool)
-        }
+/// When it does not fit beside the workspace; the message gives every
+/// figure in bytes.
+pub fn exact_pool_bytes(bytes: usize, m: MemoryState) -> Result<usize> {
+    let available = available_bytes(m);
+    if bytes <= available {
+        return Ok(bytes);
     }
+    Err(err(format!(
+        "{bytes} bytes asked, {available} available ({} free - {} workspace)",
+        m.free_bytes, m.workspace_bytes
+    )))
+}
+
+/// The pool that grows the device's total use to `utilization` (0, 1] of
+/// its memory, as vLLM's `gpu_memory_utilization`.
+///
+/// # Errors
+/// When `utilization` is outside (0, 1] or leaves nothing for the pool.
+pub fn utilization_pool_bytes(utilization: f64, m: MemoryState) -> Result<usize> {
+    let u = utilization;
+    if !(u > 0.0 && u <= 1.0) {
+        return Err(err(format!("utilization {u} is outside (0, 1]")));
+    }
+    let target = (m.total_bytes as f64 * u) as usize;
+    let used = m.total_bytes - m.free_bytes.min(m.total_bytes);
+    // The workspace counts against the target like any other use.
+    let pool = target
+        .saturating_sub(used + m.workspace_bytes)
+        .min(available_bytes(m));
+    if pool == 0 {
+        return Err(err(format!(
+            "utilization {u} of {} bytes leaves nothing: {used} bytes already used, {} workspace",
+            m.total_bytes, m.workspace_bytes
+        )));
+    }
+    Ok(pool)
 }
 
 /// Whole blocks that fit in `pool_bytes`.
@@ -85,19 +88,13 @@ mod tests {
             free_bytes: 120 * GIB,
             workspace_bytes: 2 * GIB,
         };
-        assert_eq!(
-            kv_pool_bytes(KvBudget::Utilization(0.9), m).unwrap(),
-            104 * GIB
-        );
+        assert_eq!(utilization_pool_bytes(0.9, m).unwrap(), 104 * GIB);
         // At 1.0 the free memory minus workspace binds.
-        assert_eq!(
-            kv_pool_bytes(KvBudget::Utilization(1.0), m).unwrap(),
-            118 * GIB
-        );
+        assert_eq!(utilization_pool_bytes(1.0, m).unwrap(), 118 * GIB);
         // Using less than is already used leaves nothing.
-        assert!(kv_pool_bytes(KvBudget::Utilization(0.1), m).is_err());
-        assert!(kv_pool_bytes(KvBudget::Utilization(0.0), m).is_err());
-        assert!(kv_pool_bytes(KvBudget::Utilization(1.5), m).is_err());
+        assert!(utilization_pool_bytes(0.1, m).is_err());
+        assert!(utilization_pool_bytes(0.0, m).is_err());
+        assert!(utilization_pool_bytes(1.5, m).is_err());
     }
 
     #[test]
@@ -107,8 +104,8 @@ mod tests {
             free_bytes: 10 * GIB,
             workspace_bytes: GIB,
         };
-        assert_eq!(kv_pool_bytes(KvBudget::Bytes(9 * GIB), m).unwrap(), 9 * GIB);
-        let e = kv_pool_bytes(KvBudget::Bytes(9 * GIB + 1), m).unwrap_err();
+        assert_eq!(exact_pool_bytes(9 * GIB, m).unwrap(), 9 * GIB);
+        let e = exact_pool_bytes(9 * GIB + 1, m).unwrap_err();
         assert!(e.to_string().contains("available"), "{e}");
     }
 

@@ -30,13 +30,13 @@ pub use precision::{
 use upload::Uploader;
 
 use crate::config::{ModelConfig, RopeStyle};
-use crate::engine::{EngineConfig, KvBudget};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvGeometry;
 use crate::linear::{Linear, Matrix};
 use crate::model::{self, Backend, Norm, Proj, SeqChunk, StepBatch};
 use crate::precision::{KvDtype, Precision};
 use crate::sampling::DevicePick;
+use crate::settings::{EngineConfig, KvBudget};
 use crate::weights::{self, DummyInit, ModelSource, ModelWeights, Role, WeightReport};
 use candle_core::{DType as CDType, Device as CDevice, Tensor};
 use envelope_cuda::runtime::{le_bytes, AttnDims, Buf, DType, F32Slice, Fp8Buf, Gpu};
@@ -298,9 +298,9 @@ impl CudaModel {
         let budget = match cfg.kv_budget {
             // Must fit beside the activation reserve: an error with every
             // figure, not an allocation failure halfway through the layers.
-            KvBudget::Bytes(b) => memory::kv_pool_bytes(memory::KvBudget::Bytes(b), state)?,
+            KvBudget::Bytes(b) => memory::exact_pool_bytes(b, state)?,
             KvBudget::FractionOfAvailable(f) => {
-                (free.saturating_sub(state.workspace_bytes) as f64 * f) as usize
+                (memory::available_bytes(state) as f64 * f) as usize
             }
         };
         let num_blocks = budget / (bytes_per_token * cfg.block_size);

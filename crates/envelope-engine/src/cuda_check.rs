@@ -14,12 +14,13 @@
 //! Neither has run on a GPU at the time of writing (no device was lent);
 //! the comparison arithmetic is unit-tested here.
 
-use crate::engine::{Engine, EngineConfig, KvBudget};
+use crate::engine::Engine;
 use crate::load::{load, load_cuda, LoadOptions};
 use crate::model::SeqChunk;
 use crate::precision::{KvDtype, Precision};
 use crate::sampling::SamplingParams;
 use crate::scheduler::SchedulerConfig;
+use crate::settings::{EngineConfig, KvBudget};
 use crate::util::synthetic_prompt;
 use crate::{Event, GenerateRequest};
 use serde::Serialize;

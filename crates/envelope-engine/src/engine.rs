@@ -11,6 +11,7 @@ use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
 use crate::sampling::{DevicePick, Sampler, SamplingParams};
 use crate::scheduler::{Plan, Scheduler, SeqId};
+use crate::settings::{EngineConfig, KvBudget};
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -21,10 +22,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 mod guard;
 mod handle;
-mod settings;
 mod stats;
 pub use handle::{EngineHandle, Generated};
-pub use settings::{EngineConfig, KvBudget};
 pub use stats::{EngineInfo, EngineMetrics, StepStats, STEP_LOG_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

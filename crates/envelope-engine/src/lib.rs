@@ -18,6 +18,7 @@ pub mod precision;
 pub mod qgemm;
 pub mod sampling;
 pub mod scheduler;
+pub mod settings;
 /// Tokenizers live in their own crate (the governor counts with them too).
 pub mod tokenizer {
     pub use envelope_tokenizer::*;
@@ -28,12 +29,13 @@ pub mod weights;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use engine::{
-    Engine, EngineConfig, EngineHandle, EngineInfo, EngineMetrics, Event, FinishReason,
-    GenerateRequest, KvBudget, Placement, StepStats,
+    Engine, EngineHandle, EngineInfo, EngineMetrics, Event, FinishReason, GenerateRequest,
+    Placement, StepStats,
 };
 pub use error::{EngineError, Result};
 pub use load::{load, load_cuda, LoadOptions, LoadedCuda, LoadedModel, ModelInfo};
 pub use precision::{KvDtype, Precision};
 pub use sampling::SamplingParams;
 pub use scheduler::{BatchPolicy, SchedulerConfig};
+pub use settings::{EngineConfig, KvBudget};
 pub use tokenizer::TextTokenizer;

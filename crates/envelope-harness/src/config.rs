@@ -1,9 +1,14 @@
 //! `bench-configs/*.toml`: parsed, then validated into settings that cannot
 //! be invalid. Every error names the file and the field.
 
-use crate::load::Prompts;
+mod agent_load;
+pub mod command;
+mod prompts;
+
+pub use agent_load::{AgentLoad, Arrival};
 use envelope_engine::{BatchPolicy, KvDtype, Precision};
 use envelope_profile::Slo;
+pub use prompts::Prompts;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -405,7 +410,7 @@ pub struct BenchConfig {
     pub concurrency_max: u32,
     pub load: LoadConfig,
     /// `load.workload`, read and validated.
-    pub agents: Option<crate::agents::AgentLoad>,
+    pub agents: Option<AgentLoad>,
     pub prompts: Prompts,
     pub quality: Option<QualitySettings>,
     pub slo: Slo,
@@ -700,7 +705,7 @@ impl BenchConfig {
             concurrency_min: m.concurrency_min,
             concurrency_max: m.concurrency_max,
             load: raw.load.clone(),
-            agents: crate::agents::AgentLoad::from_load(&raw.load).map_err(err)?,
+            agents: AgentLoad::from_load(&raw.load).map_err(err)?,
             prompts,
             quality,
             slo: raw.slo,
@@ -709,8 +714,8 @@ impl BenchConfig {
         // every matrix value mapped) before anything is launched.
         if let Target::Launch { command, .. } = &cfg.target {
             for point in &cfg.points {
-                crate::launch::command_vars(&cfg, point, 0)
-                    .and_then(|vars| crate::launch::render(command, &vars))
+                command::command_vars(&cfg, point, 0)
+                    .and_then(|vars| command::render(command, &vars))
                     .map_err(|e| err(format!("target.command for {}: {e}", point.name())))?;
             }
         }

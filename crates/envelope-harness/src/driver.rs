@@ -2,7 +2,7 @@
 //! OpenAI-compatible server over HTTP (streaming `/v1/completions`, timed per
 //! SSE chunk, with the server's `/metrics` read through envelope-telemetry).
 
-use crate::load::{Driver, LoadRequest, RequestRecord, Snapshot};
+use crate::record::{Driver, LoadRequest, RequestRecord, Snapshot};
 use crate::truth::{error, reason};
 use envelope_engine::{EngineHandle, Event, GenerateRequest, SamplingParams};
 use std::io::{BufRead, BufReader};

@@ -6,12 +6,14 @@
 //! starts per configuration (`launch`).
 
 pub mod agents;
+pub mod check;
 pub mod config;
 pub mod driver;
 pub mod launch;
 pub mod load;
 pub mod plots;
 pub mod quality;
+pub mod record;
 pub mod replay;
 pub mod report;
 pub mod stats;

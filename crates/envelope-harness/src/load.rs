@@ -4,88 +4,12 @@
 //! (Poisson arrivals at a fixed rate, whatever the server's speed). A monitor
 //! thread samples the server's KV use and memory meanwhile.
 
-use crate::config::Bucket;
+use crate::config::{Bucket, Prompts};
+use crate::record::{Driver, LoadRequest, RequestRecord};
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-#[derive(Debug, Clone, Default)]
-pub struct RequestRecord {
-    pub worker: u32,
-    /// Seconds from the probe start to submission.
-    pub start_s: f64,
-    pub ttft_s: Option<f64>,
-    pub e2e_s: f64,
-    pub itl_s: Vec<f64>,
-    pub input_tokens: u32,
-    pub output_tokens: u32,
-    pub preemptions: u32,
-    /// The finish reason the server (or engine) sent, when it sent one.
-    pub finish_reason: Option<String>,
-    /// Agent-shaped load: the task class and the run (session) of the call.
-    pub class: Option<String>,
-    pub run: u32,
-    /// `reason: detail` (see [`crate::truth`]); None for a whole answer.
-    pub error: Option<String>,
-}
-
-/// One request of a probe.
-#[derive(Debug, Clone)]
-pub struct LoadRequest {
-    pub prompt_tokens: Vec<u32>,
-    /// A dataset prompt for a target that takes text and has no tokenizer
-    /// here (http, launch): sent as is; its length is the server's count.
-    pub prompt_text: Option<String>,
-    pub output_tokens: u32,
-}
-
-/// Where prompts come from.
-#[derive(Debug, Clone, Default)]
-pub enum Prompts {
-    /// Token ids of exactly the bucket's input length.
-    #[default]
-    Synthetic,
-    /// Texts from a dataset file, taken in turn.
-    Dataset(Arc<Vec<String>>),
-}
-
-impl Prompts {
-    /// Reads a dataset: one prompt per line, or JSON lines with a `prompt`
-    /// (or `text`) string field. Blank lines are skipped.
-    pub fn from_file(path: &std::path::Path) -> Result<Prompts, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut out = vec![];
-        for (i, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() {
-                continue;
-            }
-            if line.starts_with('{') {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?;
-                let p = v
-                    .get("prompt")
-                    .or_else(|| v.get("text"))
-                    .and_then(|p| p.as_str())
-                    .ok_or_else(|| {
-                        format!(
-                            "{}:{}: a JSON line needs a string `prompt` or `text`",
-                            path.display(),
-                            i + 1
-                        )
-                    })?;
-                out.push(p.to_string());
-            } else {
-                out.push(line.to_string());
-            }
-        }
-        if out.is_empty() {
-            return Err(format!("{}: no prompts", path.display()));
-        }
-        Ok(Prompts::Dataset(Arc::new(out)))
-    }
-}
 
 /// Fits `tokens` to exactly `n`: cut, or repeated from the start.
 pub fn fit_tokens(tokens: &[u32], n: usize) -> Vec<u32> {
@@ -93,48 +17,6 @@ pub fn fit_tokens(tokens: &[u32], n: usize) -> Vec<u32> {
         return vec![];
     }
     tokens.iter().copied().cycle().take(n).collect()
-}
-
-/// What the monitor reads from the server while a probe runs; `None` where
-/// the target cannot tell.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Snapshot {
-    /// KV-cache use, 0..1.
-    pub kv_usage: Option<f64>,
-    pub preemptions_total: Option<u64>,
-    /// Memory of the serving process (host RSS) or of the GPU (NVML).
-    pub memory_bytes: Option<u64>,
-}
-
-/// Something that serves requests: the embedded engine or a server.
-pub trait Driver: Send + Sync {
-    /// Token ids of synthetic prompts stay below this.
-    fn vocab_size(&self) -> usize;
-    /// The served model's token ids for `text`, where this side has its
-    /// tokenizer (the embedded engine); `None` otherwise.
-    fn tokenize(&self, _text: &str) -> Option<Vec<u32>> {
-        None
-    }
-    /// Sends one request and blocks until it ends. `rec` gets TTFT and
-    /// inter-token gaps (relative to `t0`, the submission), output tokens,
-    /// preemptions and errors.
-    fn send(&self, req: &LoadRequest, t0: Instant, rec: &mut RequestRecord);
-    /// The server's state now.
-    fn snapshot(&self) -> Snapshot;
-    /// Whether the server runs in this process (its CPU use is then not the
-    /// load generator's).
-    fn in_process(&self) -> bool {
-        false
-    }
-    /// Whether an answer shorter than asked is an error: true unless the
-    /// server was found not to honour `ignore_eos`.
-    fn exact_output(&self) -> bool {
-        true
-    }
-    /// How often the monitor reads [`Driver::snapshot`].
-    fn monitor_interval(&self) -> Duration {
-        Duration::from_millis(10)
-    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -494,6 +376,7 @@ pub fn open_schedule(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::Snapshot;
 
     #[test]
     fn datasets_read_lines_and_json_lines_and_name_bad_lines() {

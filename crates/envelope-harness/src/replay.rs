@@ -9,12 +9,13 @@
 //! utilisation exceeds the predicted one by more than the tolerance, or when
 //! the share breaks an SLO.
 
-use crate::agents::{plan_runs, run_probe, AgentLoad, Arrival};
+use crate::agents::{plan_runs, run_probe};
+use crate::check::check_server;
 use crate::config::LoadConfig;
+use crate::config::{AgentLoad, Arrival};
 use crate::driver::{HttpDriver, HttpSettings, PromptFormat};
-use crate::load::{Driver, RequestRecord};
+use crate::record::{Driver, RequestRecord};
 use crate::sweep::summarise;
-use crate::truth::check_server;
 use envelope_profile::plan::{Plan, PlanConstraint};
 use envelope_profile::workload::Workload;
 use envelope_profile::{ProbeSummary, Slo};

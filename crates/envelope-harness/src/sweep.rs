@@ -2,7 +2,8 @@
 //! concurrency (closed loop) or arrival rate (Poisson); an OOM, a crash or a
 //! failed load is recorded and the sweep goes on.
 
-use crate::agents::{self, AgentLoad};
+use crate::agents;
+use crate::config::AgentLoad;
 use crate::config::{BenchConfig, Bucket, LoadConfig, MatrixPoint};
 use crate::load::{closed_loop, open_loop, ProbeRun};
 use crate::stats::percentiles;
@@ -112,7 +113,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
     let out_tokens: u64 = ok.iter().map(|r| r.output_tokens as u64).sum();
     let in_tokens: u64 = ok.iter().map(|r| r.input_tokens as u64).sum();
     let prefill_time: f64 = ok.iter().filter_map(|r| r.ttft_s).sum::<f64>().max(1e-9);
-    let meets = |r: &&&crate::load::RequestRecord| {
+    let meets = |r: &&&crate::record::RequestRecord| {
         slo.ttft_p95_ms
             .is_none_or(|t| r.ttft_s.is_some_and(|x| ms(x) <= t))
             && slo.e2e_p99_ms.is_none_or(|t| ms(r.e2e_s) <= t)

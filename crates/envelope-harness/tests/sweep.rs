@@ -4,8 +4,10 @@
 
 use envelope_engine::{EngineConfig, EngineHandle, KvBudget, LoadOptions, SchedulerConfig};
 use envelope_harness::config::Bucket;
+use envelope_harness::config::Prompts;
 use envelope_harness::driver::EngineDriver;
-use envelope_harness::load::{closed_loop, Driver, Prompts};
+use envelope_harness::load::closed_loop;
+use envelope_harness::record::Driver;
 use envelope_harness::sweep::summarise;
 use envelope_harness::{run_sweep, BenchConfig};
 use envelope_profile::capacity::{max_sequences_by_tokens, with_headroom};

@@ -182,8 +182,8 @@ fn launch_templates_map_the_matrix_to_each_servers_flags() {
             .iter()
             .find(|p| p.precision == precision && p.kv_dtype == kv)
             .unwrap_or_else(|| panic!("{file}: no {precision}/{kv} point"));
-        let vars = crate::launch::command_vars(&c, p, 8123).unwrap();
-        crate::launch::render(command, &vars).unwrap()
+        let vars = crate::config::command::command_vars(&c, p, 8123).unwrap();
+        crate::config::command::render(command, &vars).unwrap()
     };
     let v = command("launch-vllm.toml", "fp8", "fp8");
     for flag in [

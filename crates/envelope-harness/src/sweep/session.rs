@@ -2,11 +2,12 @@
 //! here, a running server over HTTP, or a server launched per
 //! configuration; each checked and measured at rest before the sweep.
 
+use crate::check::check_server;
+use crate::config::command::{command_vars, render};
 use crate::config::{BenchConfig, EnginePoint, MatrixPoint, Target};
 use crate::driver::{EngineDriver, HttpDriver, HttpSettings, PromptFormat};
-use crate::launch::{command_vars, free_port, render, LaunchedServer};
-use crate::load::Driver;
-use crate::truth::check_server;
+use crate::launch::{free_port, LaunchedServer};
+use crate::record::Driver;
 use envelope_engine::{
     Engine, EngineConfig, EngineHandle, KvBudget, LoadOptions, Placement, Precision,
     SchedulerConfig,
