@@ -110,7 +110,7 @@ pub struct GovernArgs {
     /// Bytes per token of the estimate (default 1: an upper bound for byte-level tokenizers; above 1, crafted text can be under-counted).
     #[arg(long, env = "ENVELOPE_GOVERN_ESTIMATE_BYTES_PER_TOKEN")]
     pub estimate_bytes_per_token: Option<f64>,
-    /// Tenants file (TOML: shares, weights, API keys; see the README).
+    /// Tenants file (TOML: shares, weights, API keys; see docs/govern.md).
     #[arg(long, env = "ENVELOPE_GOVERN_TENANTS")]
     pub tenants: Option<PathBuf>,
     /// Live guard polling the upstream's /metrics (default true).

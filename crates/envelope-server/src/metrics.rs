@@ -29,7 +29,7 @@ pub struct ServerMetrics {
     engine: Arc<EngineMetrics>,
 }
 
-/// Metric names, listed in the README.
+/// Metric names, listed in docs/serve.md.
 pub const NAMES: &[&str] = &[
     "envelope:num_requests_running",
     "envelope:num_requests_waiting",
