@@ -1,0 +1,196 @@
+//! The pure half of the sweep: a probe's records summarised and judged
+//! against the SLOs, the throughput knee, a bucket's result from its
+//! search, and the KV tokens the governor may reserve. No I/O: the sweep
+//! (`super`) runs the probes and calls these.
+
+use crate::config::{Bucket, LoadConfig};
+use crate::load::ProbeRun;
+use crate::record::RequestRecord;
+use crate::stats::percentiles;
+use envelope_profile::capacity::with_headroom;
+use envelope_profile::{Bracket, BucketResult, ConfigResult, Constraint, ProbeSummary, Slo};
+
+/// Summarises a probe and checks it against the SLOs (and, for its
+/// validity, against `load`'s client tolerances).
+pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig) -> ProbeSummary {
+    let ok: Vec<_> = run.records.iter().filter(|r| r.error.is_none()).collect();
+    let ms = |v: f64| v * 1e3;
+    let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s.map(ms)).collect();
+    let itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|r| r.itl_s.iter().map(|v| ms(*v)))
+        .collect();
+    let tpot: Vec<f64> = ok
+        .iter()
+        .filter(|r| r.output_tokens > 1)
+        .map(|r| ms((r.e2e_s - r.ttft_s.unwrap_or(0.0)) / (r.output_tokens - 1) as f64))
+        .collect();
+    let e2e: Vec<f64> = ok.iter().map(|r| ms(r.e2e_s)).collect();
+    let d = run.duration_s.max(1e-9);
+    let out_tokens: u64 = ok.iter().map(|r| r.output_tokens as u64).sum();
+    let in_tokens: u64 = ok.iter().map(|r| r.input_tokens as u64).sum();
+    let prefill_time: f64 = ok.iter().filter_map(|r| r.ttft_s).sum::<f64>().max(1e-9);
+    let meets = |r: &&&RequestRecord| {
+        slo.ttft_p95_ms
+            .is_none_or(|t| r.ttft_s.is_some_and(|x| ms(x) <= t))
+            && slo.e2e_p99_ms.is_none_or(|t| ms(r.e2e_s) <= t)
+    };
+    let good = ok.iter().filter(|r| meets(r)).count();
+    let mut s = ProbeSummary {
+        concurrency,
+        requests: run.records.len() as u64,
+        errors: (run.records.len() - ok.len()) as u64,
+        duration_s: run.duration_s,
+        ttft_ms: percentiles(&ttft),
+        itl_ms: percentiles(&itl),
+        tpot_ms: percentiles(&tpot),
+        e2e_ms: percentiles(&e2e),
+        // Per-request prefill rate, summed over the concurrent requests.
+        prefill_tok_per_s: in_tokens as f64 / prefill_time * concurrency as f64,
+        decode_tok_per_s: out_tokens.saturating_sub(ok.len() as u64) as f64 / d,
+        output_tok_per_s: out_tokens as f64 / d,
+        total_tok_per_s: (in_tokens + out_tokens) as f64 / d,
+        request_per_s: ok.len() as f64 / d,
+        goodput_req_per_s: good as f64 / d,
+        offered_rate_per_s: run.offered_rate_per_s,
+        kv_usage_max: run.kv_usage_max,
+        preemptions: run.preemptions,
+        peak_memory_bytes: run.peak_memory_bytes,
+        breaches: vec![],
+        // A worker that idled between its requests for over
+        // `load.max_client_gap_ms` (100 ms by default, or a quarter of a
+        // median request) was not keeping the load closed; an open loop that
+        // sent over `load.max_late_fraction` (5%) of its arrivals late was not
+        // open; a load generator using over 90% of the cores measured itself.
+        client_cpu_fraction: run.client_cpu_fraction,
+        valid: run.max_client_gap_s
+            < (0.25 * percentiles(&e2e).p50).max(load.max_client_gap_ms) / 1e3
+            && run.late_fraction <= load.max_late_fraction
+            && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
+        error_reasons: crate::truth::reasons(&run.records),
+    };
+    s.breaches = breaches(&s, slo);
+    s
+}
+
+/// The SLOs a probe breached, the KV cache first (it is what runs out).
+pub fn breaches(s: &ProbeSummary, slo: &Slo) -> Vec<Constraint> {
+    let mut b = vec![];
+    let preempted = s.preemptions.unwrap_or(0) > 0;
+    if (slo.zero_preemptions && preempted)
+        || s.kv_usage_max.is_some_and(|k| k > slo.max_kv_usage + 1e-9)
+    {
+        b.push(Constraint::KvCache);
+        if preempted {
+            b.push(Constraint::Preemption);
+        }
+    }
+    if s.requests == 0 || s.errors as f64 / s.requests as f64 > slo.max_error_rate {
+        b.push(Constraint::Errors);
+    }
+    if slo.ttft_p95_ms.is_some_and(|t| s.ttft_ms.p95 > t) {
+        b.push(Constraint::TtftP95);
+    }
+    if slo.itl_p95_ms.is_some_and(|t| s.itl_ms.p95 > t) {
+        b.push(Constraint::ItlP95);
+    }
+    if slo.e2e_p99_ms.is_some_and(|t| s.e2e_ms.p99 > t) {
+        b.push(Constraint::E2eP99);
+    }
+    if !s.valid {
+        b.push(Constraint::ClientLimited);
+    }
+    b
+}
+
+/// Smallest concurrency after which doubling adds under 10% output tok/s.
+pub fn knee(probes: &[ProbeSummary]) -> Option<u32> {
+    let mut p: Vec<&ProbeSummary> = probes.iter().filter(|p| p.breaches.is_empty()).collect();
+    p.sort_by_key(|p| p.concurrency);
+    p.windows(2)
+        .find(|w| {
+            w[1].concurrency >= w[0].concurrency * 2
+                && w[1].output_tok_per_s < w[0].output_tok_per_s * 1.1
+        })
+        .map(|w| w[0].concurrency)
+}
+
+/// A bucket's result from its search: the feasible level (closed loop: the
+/// concurrency; open loop: the most requests in flight at the feasible
+/// rate), the safe one after `headroom`, the binding constraint (the first
+/// breach of the smallest infeasible level, or the search cap), the knee.
+pub fn bucket_result(
+    load: &LoadConfig,
+    headroom: f64,
+    bucket: Bucket,
+    bracket: &Bracket,
+    probes: Vec<(u32, ProbeSummary)>,
+) -> BucketResult {
+    let open_loop_mode = load.is_open_loop();
+    let at = |k: u32| {
+        probes
+            .iter()
+            .find(|(l, p)| *l == k && p.breaches.is_empty())
+            .map(|(_, p)| p.clone())
+    };
+    let at_feasible = bracket.feasible.and_then(at);
+    let binding = match bracket.infeasible {
+        Some(i) => probes
+            .iter()
+            .find(|(l, _)| *l == i)
+            .and_then(|(_, p)| p.breaches.first().copied())
+            .unwrap_or(Constraint::Errors),
+        None => Constraint::SearchCap,
+    };
+    // Closed loop: the searched concurrency. Open loop: the most requests
+    // seen in flight at the feasible rate.
+    let feasible = if open_loop_mode {
+        at_feasible.as_ref().map_or(0, |p| p.concurrency)
+    } else {
+        bracket.feasible.unwrap_or(0)
+    };
+    let feasible_rate = open_loop_mode
+        .then(|| bracket.feasible.map(|k| k as f64 * load.rate_step_per_s))
+        .flatten();
+    let summaries: Vec<ProbeSummary> = probes.into_iter().map(|(_, p)| p).collect();
+    BucketResult {
+        input_tokens: bucket.input_tokens,
+        output_tokens: bucket.output_tokens,
+        feasible_concurrency: feasible,
+        infeasible_concurrency: if open_loop_mode {
+            None
+        } else {
+            bracket.infeasible
+        },
+        safe_concurrency: with_headroom(feasible, headroom),
+        binding_constraint: binding,
+        knee_concurrency: if open_loop_mode {
+            None
+        } else {
+            knee(&summaries)
+        },
+        at_feasible,
+        feasible_rate_per_s: feasible_rate,
+        safe_rate_per_s: feasible_rate.map(|r| r * (1.0 - headroom)),
+        probes: summaries,
+    }
+}
+
+/// KV tokens the governor may reserve: the capacity less the headroom; when
+/// the capacity is unknown (a server whose metrics do not say), what the
+/// safe points of the buckets use at most.
+pub fn kv_tokens_limit(c: &ConfigResult, headroom: f64) -> u64 {
+    let limit = if c.memory.kv_capacity_tokens > 0 {
+        (c.memory.kv_capacity_tokens as f64 * (1.0 - headroom)).floor() as u64
+    } else {
+        c.buckets
+            .iter()
+            .map(|b| b.safe_concurrency as u64 * (b.input_tokens + b.output_tokens) as u64)
+            .max()
+            .unwrap_or(0)
+    };
+    limit.max(1)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,196 @@
+use super::*;
+use envelope_profile::Profile;
+
+/// A whole answer: TTFT, then `out - 1` gaps of `itl_s`.
+fn rec(ttft_s: f64, itl_s: f64, out: u32) -> RequestRecord {
+    RequestRecord {
+        ttft_s: Some(ttft_s),
+        itl_s: vec![itl_s; out.saturating_sub(1) as usize],
+        e2e_s: ttft_s + itl_s * out.saturating_sub(1) as f64,
+        input_tokens: 64,
+        output_tokens: out,
+        finish_reason: Some("length".into()),
+        ..Default::default()
+    }
+}
+
+fn run(records: Vec<RequestRecord>, duration_s: f64) -> ProbeRun {
+    ProbeRun {
+        records,
+        duration_s,
+        ..Default::default()
+    }
+}
+
+fn slo() -> Slo {
+    Slo {
+        ttft_p95_ms: Some(500.0),
+        itl_p95_ms: Some(100.0),
+        e2e_p99_ms: Some(5_000.0),
+        ..Slo::default()
+    }
+}
+
+#[test]
+fn a_probe_is_summarised_from_its_whole_answers() {
+    // Four answers of 33 tokens in 2 s, one of them too slow to start for
+    // the TTFT SLO, and one failed request.
+    let mut records = vec![rec(0.1, 0.02, 33); 3];
+    records.push(rec(0.9, 0.02, 33));
+    records.push(RequestRecord {
+        error: Some("short_output: 3 of 33 tokens".into()),
+        output_tokens: 3,
+        ..rec(0.1, 0.02, 3)
+    });
+    let s = summarise(&run(records, 2.0), 4, &slo(), &LoadConfig::default());
+    assert_eq!((s.requests, s.errors), (5, 1));
+    // The failed request's tokens count for nothing.
+    assert!(
+        (s.output_tok_per_s - 4.0 * 33.0 / 2.0).abs() < 1e-9,
+        "{s:?}"
+    );
+    assert!(
+        (s.decode_tok_per_s - 4.0 * 32.0 / 2.0).abs() < 1e-9,
+        "{s:?}"
+    );
+    assert!((s.request_per_s - 2.0).abs() < 1e-9);
+    // Goodput: the three within the TTFT SLO.
+    assert!((s.goodput_req_per_s - 1.5).abs() < 1e-9, "{s:?}");
+    assert!((s.ttft_ms.p50 - 100.0).abs() < 1.0, "{:?}", s.ttft_ms);
+    assert_eq!(s.error_reasons.get("short_output"), Some(&1));
+    // One error in five breaks a zero error rate, and the slow start is
+    // the p95 of four TTFTs.
+    assert_eq!(s.breaches, vec![Constraint::Errors, Constraint::TtftP95]);
+}
+
+#[test]
+fn a_client_that_idles_makes_the_probe_invalid() {
+    let mut r = run(vec![rec(0.1, 0.02, 33); 4], 2.0);
+    let load = LoadConfig::default();
+    assert!(summarise(&r, 4, &slo(), &load).valid);
+    // A worker idle for longer than the gap allowed (and a quarter of a
+    // median request) was not keeping the loop closed.
+    r.max_client_gap_s = 1.0;
+    let s = summarise(&r, 4, &slo(), &load);
+    assert!(!s.valid);
+    assert_eq!(s.breaches, vec![Constraint::ClientLimited]);
+}
+
+#[test]
+fn breaches_name_the_kv_cache_first() {
+    let mut s = ProbeSummary {
+        requests: 10,
+        preemptions: Some(2),
+        valid: true,
+        ..Default::default()
+    };
+    s.ttft_ms.p95 = 900.0;
+    assert_eq!(
+        breaches(&s, &slo()),
+        vec![
+            Constraint::KvCache,
+            Constraint::Preemption,
+            Constraint::TtftP95
+        ]
+    );
+    // KV use over the SLO's maximum without preempting.
+    s.preemptions = Some(0);
+    s.ttft_ms.p95 = 10.0;
+    s.kv_usage_max = Some(0.99);
+    let tight = Slo {
+        max_kv_usage: 0.95,
+        ..slo()
+    };
+    assert_eq!(breaches(&s, &tight), vec![Constraint::KvCache]);
+    assert!(breaches(&s, &slo()).is_empty());
+    // A probe with no requests measured nothing: an error.
+    let empty = ProbeSummary {
+        valid: true,
+        ..Default::default()
+    };
+    assert_eq!(breaches(&empty, &slo()), vec![Constraint::Errors]);
+}
+
+fn probe(concurrency: u32, tok_s: f64) -> ProbeSummary {
+    ProbeSummary {
+        concurrency,
+        output_tok_per_s: tok_s,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_knee_is_where_doubling_stops_paying() {
+    let p = [
+        probe(1, 100.0),
+        probe(2, 190.0),
+        probe(4, 300.0),
+        probe(8, 320.0),
+    ];
+    assert_eq!(knee(&p), Some(4));
+    // Probes that breached are not on the curve.
+    let mut q = p.to_vec();
+    q[3].breaches = vec![Constraint::TtftP95];
+    assert_eq!(knee(&q), None);
+    // Order does not matter.
+    let mut r = p.to_vec();
+    r.reverse();
+    assert_eq!(knee(&r), Some(4));
+}
+
+#[test]
+fn a_bucket_binds_on_the_first_breach_above_its_feasible_level() {
+    let bucket = Bucket {
+        input_tokens: 64,
+        output_tokens: 32,
+    };
+    let mut over = probe(8, 300.0);
+    over.breaches = vec![Constraint::ItlP95, Constraint::Errors];
+    let probes = vec![(4, probe(4, 250.0)), (8, over)];
+    let bracket = Bracket {
+        min: 1,
+        max: 64,
+        feasible: Some(4),
+        infeasible: Some(8),
+        probes: 2,
+    };
+    let load = LoadConfig::default();
+    let b = bucket_result(&load, 0.25, bucket, &bracket, probes.clone());
+    assert_eq!(b.feasible_concurrency, 4);
+    assert_eq!(b.safe_concurrency, 3);
+    assert_eq!(b.binding_constraint, Constraint::ItlP95);
+    assert_eq!(b.at_feasible.as_ref().map(|p| p.concurrency), Some(4));
+    assert_eq!(b.probes.len(), 2);
+    // Never breached up to the search's maximum: the cap binds.
+    let capped = Bracket {
+        feasible: Some(64),
+        infeasible: None,
+        ..bracket
+    };
+    let b = bucket_result(&load, 0.25, bucket, &capped, vec![(64, probe(64, 900.0))]);
+    assert_eq!(b.binding_constraint, Constraint::SearchCap);
+    assert_eq!(b.safe_concurrency, 48);
+}
+
+#[test]
+fn the_kv_tokens_the_governor_may_reserve() {
+    let text =
+        include_str!("../../../../../profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json");
+    let p = Profile::from_json(text, "profile.json").unwrap();
+    let mut c = p.configs[0].clone();
+    c.memory.kv_capacity_tokens = 1000;
+    assert_eq!(kv_tokens_limit(&c, 0.1), 900);
+    // Capacity unknown (a server whose metrics do not say): what the
+    // buckets' safe points hold at most.
+    c.memory.kv_capacity_tokens = 0;
+    let most = c
+        .buckets
+        .iter()
+        .map(|b| b.safe_concurrency as u64 * (b.input_tokens + b.output_tokens) as u64)
+        .max()
+        .unwrap();
+    assert!(most > 0);
+    assert_eq!(kv_tokens_limit(&c, 0.1), most);
+    c.buckets.clear();
+    assert_eq!(kv_tokens_limit(&c, 0.1), 1);
+}
