@@ -16,7 +16,9 @@
 //!   compute-capability gate. [`memory`]: KV pool size from free memory and
 //!   a utilisation fraction, or an explicit budget.
 //! - [`reference`]: the CPU implementation every kernel is checked against;
-//!   [`selftest`] runs that check on a GPU (`envelope cuda-selftest`).
+//!   [`selftest`] runs that check through [`runtime`]'s methods on a GPU
+//!   (`envelope cuda-selftest`), or on the CPU-emulated kernels behind the
+//!   fake driver of [`emu`]. [`rng`]: the seeded inputs.
 //! - [`setting`]: `--device cpu|cuda[:N]|auto`.
 //!
 //! # CUDA version
@@ -49,6 +51,7 @@ pub mod libs;
 pub mod memory;
 pub mod nvrtc;
 pub mod reference;
+pub mod rng;
 pub mod runtime;
 pub mod selftest;
 pub mod setting;

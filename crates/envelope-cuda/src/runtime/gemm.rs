@@ -2,7 +2,14 @@
 //! their descriptors and plan cache, and the same products on
 //! `kernels/gemm.cu` when cuBLAS is absent or bypassed.
 
-use super::*;
+use super::{blas_err, lt_err, shape, Arg, Buf, DType, F32Slice, Fp8Buf, Gpu};
+use crate::error::Result;
+use crate::geometry;
+use cudarc::cublas::sys as blas_sys;
+use cudarc::cublaslt::sys as lt_sys;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::collections::HashMap;
+use std::ffi::c_void;
 
 /// Column-major GEMM parameters in BLAS terms: `C(m x n) = op(A) op(B)`
 /// with `op = T` meaning transposed.
@@ -59,6 +66,19 @@ pub fn blas_gemm_reference(d: GemmDesc, a: &[f32], b: &[f32], c: &mut [f32], bet
             *ci = s + beta * *ci;
         }
     }
+}
+
+/// The entry of `kernels/gemm.cu` that runs a GEMM of `rows` rows with
+/// operands `x` and output `y`: `gemm_<x>_<y>`, or `gemm_small_<x>_<y>` up
+/// to [`geometry::GEMM_SMALL_ROWS`] rows (one warp per output column, the
+/// weights streamed once: decode). fp8 operands give `gemm_fp8_bf16`.
+pub fn gemm_kernel_entry(x: DType, y: DType, rows: usize) -> String {
+    let small = if rows <= geometry::GEMM_SMALL_ROWS {
+        "small_"
+    } else {
+        ""
+    };
+    format!("gemm_{small}{}_{}", x.suffix(), y.suffix())
 }
 
 /// A cached cuBLASLt plan for one fp8 GEMM shape.
@@ -372,8 +392,7 @@ impl Gpu {
         accumulate: bool,
     ) -> Result<()> {
         Self::dense_operands(x, w, y, rows, inner, out)?;
-        let entry = format!("gemm_{}_{}", x.dtype.suffix(), y.dtype.suffix());
-        self.gemm_kernel(&entry, x, w, y, (rows, inner, out), accumulate, None)
+        self.gemm_kernel(x, w, y, (rows, inner, out), accumulate, None)
     }
 
     /// The checks of an fp8 GEMM: e4m3 operands, bf16 out, buffers that
@@ -412,7 +431,6 @@ impl Gpu {
     ) -> Result<()> {
         Self::fp8_operands(x, w, y, rows, inner, out)?;
         self.gemm_kernel(
-            "gemm_fp8_bf16",
             &x.data,
             &w.data,
             y,
@@ -422,13 +440,10 @@ impl Gpu {
         )
     }
 
-    /// The GEMM on `kernels/gemm.cu` (no cuBLAS): `entry` is
-    /// `gemm_<x dtype>_<y dtype>` (`gemm_small_...` up to 8 rows); `scales`
-    /// the fp8 per-tensor scales of x and W.
-    #[allow(clippy::too_many_arguments)]
+    /// The GEMM on `kernels/gemm.cu` (no cuBLAS), the entry of
+    /// [`gemm_kernel_entry`]; `scales` the fp8 per-tensor scales of x and W.
     fn gemm_kernel(
         &self,
-        entry: &str,
         x: &Buf,
         w: &Buf,
         y: &Buf,
@@ -439,18 +454,11 @@ impl Gpu {
         let dims = |v: usize, what: &str| {
             i32::try_from(v).map_err(|_| shape("gemm", format!("{what} = {v} exceeds i32")))
         };
-        // Decode-sized: one warp per output column, W streamed once.
-        let small = rows <= geometry::GEMM_SMALL_ROWS;
-        let (entry, l) = if small {
-            (
-                entry.replacen("gemm_", "gemm_small_", 1),
-                geometry::gemm_small(rows, out)?,
-            )
+        let entry = gemm_kernel_entry(x.dtype, y.dtype, rows);
+        let l = if rows <= geometry::GEMM_SMALL_ROWS {
+            geometry::gemm_small(rows, out)?
         } else {
-            (
-                entry.to_string(),
-                geometry::gemm(rows, out, x.dtype == DType::F32)?,
-            )
+            geometry::gemm(rows, out, x.dtype == DType::F32)?
         };
         let mut args = vec![
             Arg::Buf(x),
@@ -474,7 +482,7 @@ mod tests {
     use super::*;
 
     fn rnd(n: usize, seed: u64) -> Vec<f32> {
-        let mut r = crate::selftest::Rng::new(seed);
+        let mut r = crate::rng::Rng::new(seed);
         r.vec(n, 1.0)
     }
 
