@@ -60,23 +60,16 @@ pub fn app(state: Arc<AppState>) -> Router {
 
 /// An unknown path: 404 in the OpenAI error shape, like every other error.
 async fn no_route(uri: axum::http::Uri) -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        message: format!("no such endpoint: {}", uri.path()),
-        kind: "invalid_request_error",
-        param: None,
-        code: Some("not_found"),
+    ApiError::NoRoute {
+        path: uri.path().to_string(),
     }
 }
 
 /// A known path with the wrong method: 405 in the OpenAI error shape.
 async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
-    ApiError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        message: format!("{} does not take {method}", uri.path()),
-        kind: "invalid_request_error",
-        param: None,
-        code: Some("method_not_allowed"),
+    ApiError::WrongMethod {
+        method: method.to_string(),
+        path: uri.path().to_string(),
     }
 }
 
@@ -89,10 +82,9 @@ fn unix_now() -> u64 {
 
 fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
-        Some(m) if m != &state.served_model_name => Err(ApiError::not_found(
-            "model",
-            format!("The model `{m}` does not exist."),
-        )),
+        Some(m) if m != &state.served_model_name => {
+            Err(ApiError::ModelNotFound { model: m.clone() })
+        }
         _ => Ok(()),
     }
 }
@@ -348,22 +340,11 @@ async fn collect(
                 .into_response());
             }
             Event::Error(msg) => {
-                state.metrics.requests_error.inc();
-                return Err(ApiError {
-                    status: StatusCode::INTERNAL_SERVER_ERROR,
-                    message: msg,
-                    kind: "internal_error",
-                    param: None,
-                    code: None,
-                });
+                return Err(state.metrics.failed(ApiError::Engine { message: msg }));
             }
         }
     }
-    state.metrics.requests_error.inc();
-    Err(ApiError::from_engine(
-        envelope_engine::EngineError::ShutDown,
-        kind.prompt_param(),
-    ))
+    Err(state.metrics.failed(ApiError::ShutDown))
 }
 
 fn sse_stream(
@@ -489,23 +470,14 @@ fn async_stream(
                     s.done = true;
                 }
                 Some(Event::Error(msg)) => {
-                    s.state.metrics.requests_error.inc();
-                    let err = ApiError {
-                        status: StatusCode::INTERNAL_SERVER_ERROR,
-                        message: msg,
-                        kind: "internal_error",
-                        param: None,
-                        code: None,
-                    };
+                    let err = s.state.metrics.failed(ApiError::Engine { message: msg });
                     s.pending
                         .push_back(SseEvent::default().data(err.body().to_string()));
                     s.pending.push_back(SseEvent::default().data("[DONE]"));
                     s.done = true;
                 }
                 None => {
-                    s.state.metrics.requests_error.inc();
-                    let err =
-                        ApiError::from_engine(envelope_engine::EngineError::ShutDown, "prompt");
+                    let err = s.state.metrics.failed(ApiError::ShutDown);
                     s.pending
                         .push_back(SseEvent::default().data(err.body().to_string()));
                     s.done = true;

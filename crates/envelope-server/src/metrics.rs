@@ -1,9 +1,12 @@
 //! `/metrics` in Prometheus text. Names follow vLLM's (`vllm:` becomes
 //! `envelope:`) so dashboards and the telemetry adapters carry over.
 
+use crate::error::ApiError;
 use envelope_engine::EngineMetrics;
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
@@ -22,7 +25,7 @@ pub struct ServerMetrics {
     prompt_tokens: Counter,
     generation_tokens: Counter,
     pub requests_success: Counter,
-    pub requests_error: Counter,
+    requests_error: Family<ReasonLabel, Counter>,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
@@ -47,7 +50,23 @@ pub const NAMES: &[&str] = &[
     "envelope:e2e_request_latency_seconds",
 ];
 
+/// The `reason` label of `envelope:request_error_total`: an [`ApiError`]'s.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
+
 impl ServerMetrics {
+    /// Counts a request that failed after admission under its reason, and
+    /// logs it; returns the error to send.
+    pub fn failed(&self, e: ApiError) -> ApiError {
+        self.requests_error
+            .get_or_create(&ReasonLabel { reason: e.reason() })
+            .inc();
+        tracing::warn!(reason = e.reason(), "request failed: {}", e.message());
+        e
+    }
+
     pub fn new(engine: Arc<EngineMetrics>, kv_capacity_tokens: usize) -> ServerMetrics {
         let mut registry = Registry::default();
         let m = ServerMetrics {
@@ -61,7 +80,7 @@ impl ServerMetrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             requests_success: Counter::default(),
-            requests_error: Counter::default(),
+            requests_error: Family::default(),
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
             itl: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             e2e: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
@@ -121,7 +140,7 @@ impl ServerMetrics {
         );
         registry.register(
             "envelope:request_error",
-            "Requests that failed after admission",
+            "Requests that failed after admission, by reason",
             m.requests_error.clone(),
         );
         registry.register(

@@ -3,10 +3,9 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use envelope_engine::engine::{
-    Engine, EngineConfig, EngineHandle, KvBudget, Placement, StepRunner,
-};
+use envelope_engine::engine::{Engine, EngineHandle, Placement, StepRunner};
 use envelope_engine::model::SeqChunk;
+use envelope_engine::settings::{EngineConfig, KvBudget};
 use envelope_engine::{LoadOptions, Precision};
 use envelope_server::{app, AppState};
 use http_body_util::BodyExt;
@@ -92,7 +91,8 @@ async fn a_completion_is_served_without_a_model_file() {
 }
 
 /// A step that panics answers 500 (OpenAI shape) for its request; the next
-/// request is served, and `/metrics` counts the panic.
+/// request is served, and `/metrics` counts the panic and the failed
+/// requests by reason.
 #[tokio::test]
 async fn a_panicking_step_answers_500_and_the_next_request_is_served() {
     let (app, handle) = server(true);
@@ -133,10 +133,11 @@ async fn a_panicking_step_answers_500_and_the_next_request_is_served() {
         assert_eq!(status, StatusCode::OK, "{v}");
     }
     let (_, m) = call(&app, "GET", "/metrics", None).await;
+    let m = m.as_str().unwrap();
+    assert!(m.contains("envelope:engine_step_panics_total 2"), "{m}");
+    // Both failed requests are counted under their reason.
     assert!(
-        m.as_str()
-            .unwrap()
-            .contains("envelope:engine_step_panics_total 2"),
+        m.contains(r#"envelope:request_error_total{reason="engine_error"} 2"#),
         "{m}"
     );
     handle.shutdown_and_wait();
