@@ -6,24 +6,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-echo "== model"
+# Each stage's start, with the seconds since the script began, so a slow CI
+# run says where its time went.
+stage() { echo "== [${SECONDS}s] $*"; }
+trap 'echo "== [${SECONDS}s] done (exit $?)"' EXIT
+
+stage "model"
 bash scripts/fetch-model.sh
 
-echo "== module cycles and file sizes (no crate's modules import each other; no source over 800 lines)"
+stage "module cycles and file sizes (no crate's modules import each other; no source over 800 lines)"
 python3 scripts/module-cycles.py
 
-echo "== fmt and clippy"
+stage "fmt and clippy"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --release --all-targets --locked -- -D warnings
 
-echo "== NVRTC from PyPI (every kernel in kernels/ must compile for sm_80 and sm_90; no GPU needed)"
+stage "NVRTC from PyPI (every kernel in kernels/ must compile for sm_80 and sm_90; no GPU needed)"
 nvrtc_env=$(bash scripts/nvrtc-setup.sh)
 eval "$nvrtc_env"
 export ENVELOPE_NVRTC_LIB ENVELOPE_CUDA_INCLUDE
 echo "$nvrtc_env"
 
-echo "== C++ compiler (the CPU emulator runs every kernel's source through the GPU self-test)"
+stage "C++ compiler (the CPU emulator runs every kernel's source through the GPU self-test)"
 if ! command -v "${CXX:-c++}" >/dev/null; then
   if command -v apt-get >/dev/null; then
     apt-get update -qq && apt-get install -y -qq g++
@@ -34,13 +39,13 @@ if ! command -v "${CXX:-c++}" >/dev/null; then
 fi
 "${CXX:-c++}" --version | head -1
 
-echo "== cargo test"
+stage "cargo test"
 cargo test --release --locked --workspace
 
-echo "== fuzz (30 s per governor target; scripts/fuzz.sh 600 for the long run)"
+stage "fuzz (30 s per governor target; scripts/fuzz.sh 600 for the long run)"
 bash scripts/fuzz.sh 30
 
-echo "== openai python client"
+stage "openai python client"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
@@ -48,7 +53,7 @@ fi
 cargo build --release --locked
 # scripts/device-check.sh carries this binary to a GPU machine (limit 50 MiB).
 size=$(stat -c %s target/release/envelope)
-echo "== release binary: $size bytes"
+stage "release binary: $size bytes"
 if [ "$size" -ge $((50 << 20)) ]; then
   echo "target/release/envelope is over 50 MiB: too large to carry to a GPU machine" >&2
   exit 1
