@@ -41,7 +41,7 @@
 #            toolkit or a pip wheel) or, without one, taken from the PTX
 #            embedded in the binary, and run on seeded random inputs against
 #            its CPU reference (tolerances per dtype in
-#            crates/envelope-cuda/src/selftest.rs) -> OUT/selftest.json; then
+#            crates/envelope-cuda/src/selftest/check.rs) -> OUT/selftest.json; then
 #            a second run whose NVRTC compiles must come from the kernel cache.
 #   driver-only  the same self-test, then the model check of dummy:smollm2-135m,
 #            with ENVELOPE_KERNELS=embedded ENVELOPE_GEMM=kernels: NVRTC and

@@ -69,10 +69,13 @@ pub struct CudaSelftestArgs {
     /// (gemm-bench.json, .csv).
     #[arg(long)]
     pub gemm_bench: bool,
-    /// The kernel self-test on the CPU emulator instead of a GPU: every
-    /// kernel file compiled by the host C++ compiler (c++, or $CXX) against
-    /// crates/envelope-cuda/emu/emu.h and run with the same cases and
-    /// tolerances. No GPU, driver or NVRTC needed; says nothing of speed.
+    /// On the CPU-emulated GPU instead of a device: every kernel file
+    /// compiled by the host C++ compiler (c++, or $CXX) against
+    /// crates/envelope-cuda/emu/emu.h, and a fake CUDA driver (libcuda.so.1)
+    /// that runs each launch on them; the command then runs again on that
+    /// driver, through the same runtime, cases and tolerances as on a GPU
+    /// (with --models, --bench or --gemm-bench: those). No GPU, driver or
+    /// NVRTC needed; says nothing of speed.
     #[arg(long)]
     pub emulate: bool,
     /// The model of --bench.

@@ -6,6 +6,8 @@
 //! against the CPU engine (`DIR/model-check.json`); `--bench`: tokens/s of
 //! a model on the GPU (`DIR/bench-cuda.json` and `.csv`); `--gemm-bench`:
 //! cuBLAS against the GEMM kernels (`DIR/gemm-bench.json` and `.csv`).
+//! `--emulate`: any of these on the CPU-emulated GPU (the fake CUDA driver
+//! of `envelope_cuda::emu`), in a child process.
 
 use crate::cli::CudaSelftestArgs;
 use anyhow::{bail, Context, Result};
@@ -13,6 +15,9 @@ use envelope_engine::cuda_check;
 use envelope_engine::{KvDtype, Precision};
 
 pub fn run(args: &CudaSelftestArgs) -> Result<()> {
+    if args.emulate {
+        return emulate();
+    }
     if args.models {
         return models(args);
     }
@@ -21,10 +26,6 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
     }
     if args.gemm_bench {
         return gemm_bench(args);
-    }
-    if args.emulate {
-        let rep = envelope_cuda::selftest::run_emulated(Some(&args.out));
-        return print_report(&rep, args);
     }
     let nvml = match envelope_telemetry::Nvml::init() {
         Ok(n) => serde_json::json!({
@@ -56,8 +57,55 @@ pub fn run(args: &CudaSelftestArgs) -> Result<()> {
     print_report(&rep, args)
 }
 
+/// Set in the run `--emulate` starts, which must not start another.
+const EMULATED_RUN: &str = "ENVELOPE_CUDA_SELFTEST_EMULATED";
+
+/// `--emulate`: builds the CPU-emulated kernels and the fake CUDA driver
+/// (`envelope_cuda::emu`), then runs this command again, without
+/// `--emulate`, in a process whose environment puts that driver first (the
+/// dynamic loader reads `LD_LIBRARY_PATH` only when a process starts). So
+/// the run goes through cudarc and the runtime exactly as on a GPU.
+fn emulate() -> Result<()> {
+    if std::env::var_os(EMULATED_RUN).is_some() {
+        bail!("--emulate inside an emulated run");
+    }
+    let emu =
+        envelope_cuda::emu::Emulator::build(None).context("building the CPU-emulated kernels")?;
+    for b in emu.built.iter().filter(|b| b.error.is_some()) {
+        println!(
+            "emulator: {} did not build: {}",
+            b.file,
+            b.error.as_deref().unwrap_or_default()
+        );
+    }
+    let env = emu.env().context("building the fake CUDA driver")?;
+    println!(
+        "emulated GPU: {}, kernels and driver in {}",
+        emu.compiler,
+        emu.dir.display()
+    );
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let args: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip(1)
+        .filter(|a| a != "--emulate")
+        .collect();
+    let status = std::process::Command::new(&exe)
+        .args(&args)
+        .envs(env)
+        .env(EMULATED_RUN, "1")
+        .status()
+        .with_context(|| format!("running {}", exe.display()))?;
+    if !status.success() {
+        bail!("the run on the emulated GPU did not pass ({status})");
+    }
+    Ok(())
+}
+
 /// The self-test's compile and case table, and its verdict.
 fn print_report(rep: &envelope_cuda::selftest::Report, args: &CudaSelftestArgs) -> Result<()> {
+    if let Some(e) = &rep.emulated {
+        println!("emulated: {e}");
+    }
     println!("kernels: {}", rep.kernels.as_deref().unwrap_or("-"));
     if let Some(e) = &rep.kernels_error {
         println!("kernels unavailable: {e}");

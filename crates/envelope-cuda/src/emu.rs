@@ -3,10 +3,13 @@
 //! emulation of the CUDA subset the kernels use (threads as fibers switched
 //! at barriers, shared memory, warp shuffles, f16/bf16/fp8 conversions,
 //! `mma.sync.m16n8k16`), into a shared library that is loaded and launched
-//! with the same grid, block and arguments as on a GPU. The GPU self-test
-//! runs its cases on it (`selftest::run_emulated`, `envelope cuda-selftest
-//! --emulate`), so every kernel's own source is executed and checked against
-//! its CPU reference on machines without a GPU, CI included.
+//! with the same grid, block and arguments as on a GPU. A fake CUDA driver
+//! ([`Emulator::driver`]) runs every launch of a process on them, so the
+//! GPU self-test (`envelope cuda-selftest --emulate`, `tests/kernel_emu.rs`)
+//! and the engine's CUDA backend run unchanged through cudarc and
+//! [`crate::runtime`], and every kernel's own source is executed and
+//! checked against its CPU reference on machines without a GPU, CI
+//! included.
 //!
 //! What it does not show: speed, races between threads of a block (fibers
 //! run one at a time), memory-model and alignment faults, and the last ulps
@@ -30,6 +33,9 @@ const EMU_HEADERS: &[(&str, &str)] = &[
     ("cuda_bf16.h", include_str!("../emu/cuda_bf16.h")),
     ("cuda_fp8.h", include_str!("../emu/cuda_fp8.h")),
 ];
+
+/// The start of the name the fake driver gives its one device.
+pub const DEVICE_NAME: &str = "envelope CPU emulator";
 
 /// Numbers the temporary outputs of concurrent builds (test threads).
 static BUILDS: AtomicUsize = AtomicUsize::new(0);
@@ -451,5 +457,16 @@ impl Emulator {
             return Err(err(format!("{entry}: {}", m.to_string_lossy())));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The self-test knows the fake driver's device by this name.
+    #[test]
+    fn the_fake_driver_names_its_device_so() {
+        assert!(FAKE_DRIVER.contains(&format!("\"{DEVICE_NAME} (no GPU)\"")));
     }
 }
