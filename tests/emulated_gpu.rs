@@ -52,24 +52,26 @@ fn json(p: &Path) -> serde_json::Value {
 
 /// The GPU model check (scripts/device-check.sh's `models` stage) on the
 /// emulated GPU: last-token logits and 8 greedy tokens of the CUDA backend
-/// against the CPU engine, in f32, bf16 and fp8.
+/// against the CPU engine, in f32, bf16 and fp8. Through `--emulate`, which
+/// builds the fake driver and runs the command again on it.
 #[test]
 fn model_check_passes_on_the_emulated_gpu() {
-    let env = emulator_env();
     let out = scratch("models");
     let r = envelope(
         &[
             "cuda-selftest",
+            "--emulate",
             "--models",
             "--check-models",
             "dummy:tiny-hd32",
             "--out",
             out.to_str().unwrap(),
         ],
-        &env,
+        &[],
     );
     let text = printed(&r);
     assert!(r.status.success(), "{text}");
+    assert!(text.contains("emulated GPU: "), "{text}");
     let checks = json(&out.join("model-check.json"));
     let checks = checks.as_array().unwrap();
     assert_eq!(checks.len(), 3, "{text}");
