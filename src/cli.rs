@@ -1,7 +1,7 @@
 //! Command-line flags. Every flag has a long name and an environment
 //! variable; parsed flags are validated into engine settings in one place.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::{ArgAction, Args, Parser, Subcommand};
 use envelope_engine::{
     BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Placement, Precision,
@@ -223,9 +223,13 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// `--device` resolved for this precision and KV dtype.
+    /// `--device` resolved for this precision and KV dtype (by the engine:
+    /// [`envelope_engine::device::resolve`]).
     pub fn placement(&self) -> Result<Placement> {
-        resolve_device(self.device, &[(self.precision, self.kv_dtype)])
+        Ok(envelope_engine::device::resolve(
+            self.device,
+            &[(self.precision, self.kv_dtype)],
+        )?)
     }
 
     pub fn load_options(&self) -> LoadOptions {
@@ -235,21 +239,11 @@ impl EngineArgs {
         }
     }
 
+    /// The flags as the engine's settings, checked by the engine's own
+    /// [`EngineConfig::validate`] before any model is loaded.
     pub fn engine_config(&self, placement: Placement) -> Result<EngineConfig> {
-        if !(self.kv_cache_fraction > 0.0 && self.kv_cache_fraction <= 1.0) {
-            bail!(
-                "--kv-cache-fraction must be in (0, 1], got {}",
-                self.kv_cache_fraction
-            );
-        }
-        if self.block_size == 0 || self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
-            bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be at least 1");
-        }
-        Ok(EngineConfig {
-            kv_dtype: self.kv_dtype.unwrap_or(match placement {
-                Placement::Cpu => KvDtype::F32,
-                Placement::Cuda { .. } => envelope_engine::cuda::default_kv_dtype(self.precision),
-            }),
+        let cfg = EngineConfig {
+            kv_dtype: envelope_engine::device::kv_dtype(placement, self.precision, self.kv_dtype),
             kv_budget: match self.kv_cache_bytes {
                 Some(b) => KvBudget::Bytes(b),
                 None => KvBudget::FractionOfAvailable(self.kv_cache_fraction),
@@ -264,48 +258,15 @@ impl EngineArgs {
             },
             max_model_len: self.max_model_len,
             slow_step_ms_per_seq: self.slow_step_ms_per_seq,
-        })
+        };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     /// Sizes the compute thread pools; must run before any pool starts.
     pub fn apply_threads(&self) {
         if let Some(n) = self.threads {
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-        }
-    }
-}
-
-/// Resolves a device setting (`--device`, `target.device`) into where the
-/// engine runs: the one place the decision is made. `cuda` fails with the
-/// reason (no driver, no GPU, library missing); `auto` takes CUDA device 0
-/// when it opens and every `(precision, KV dtype)` in `needs` can run there
-/// (not q8_0/q4_0, a KV dtype the kernels pair with the activations), else
-/// logs why it fell back to the CPU.
-pub fn resolve_device(
-    setting: envelope_cuda::DeviceSetting,
-    needs: &[(Precision, Option<KvDtype>)],
-) -> Result<Placement> {
-    match envelope_cuda::select(setting)? {
-        envelope_cuda::Selected::Cpu { note } => {
-            if let Some(n) = note {
-                tracing::warn!("{n}");
-            }
-            Ok(Placement::Cpu)
-        }
-        envelope_cuda::Selected::Cuda { ordinal, device } => {
-            if setting == envelope_cuda::DeviceSetting::Auto {
-                let unsupported = needs
-                    .iter()
-                    .find_map(|&(p, kv)| envelope_engine::cuda::check_runs_on_cuda(p, kv).err());
-                if let Some(e) = unsupported {
-                    tracing::warn!(
-                        "--device auto: found {device}, but {e}; falling back to the CPU"
-                    );
-                    return Ok(Placement::Cpu);
-                }
-            }
-            tracing::info!("running on CUDA device {ordinal}: {device}");
-            Ok(Placement::Cuda { ordinal })
         }
     }
 }
@@ -422,5 +383,25 @@ mod tests {
             Cli::try_parse_from(["envelope", "serve", "--model", "x", "--precision", "q3"])
                 .is_err()
         );
+    }
+
+    /// Settings the engine would refuse are refused before a model loads,
+    /// by the engine's own check, naming the setting.
+    #[test]
+    fn invalid_settings_are_the_engines_errors() {
+        for (flag, value, field) in [
+            ("--kv-cache-fraction", "1.5", "kv_cache_fraction"),
+            ("--max-num-seqs", "0", "max_num_seqs"),
+            ("--block-size", "0", "block_size"),
+        ] {
+            let cli =
+                Cli::try_parse_from(["envelope", "serve", "--model", "dummy:tiny", flag, value])
+                    .unwrap();
+            let Command::Serve(s) = cli.command else {
+                panic!()
+            };
+            let e = s.engine.engine_config(Placement::Cpu).unwrap_err();
+            assert!(e.to_string().contains(field), "{flag}: {e}");
+        }
     }
 }

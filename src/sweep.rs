@@ -25,7 +25,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             .filter_map(|p| p.engine.as_ref())
             .map(|e| (e.precision, Some(e.kv_dtype)))
             .collect();
-        cfg.device = Some(crate::cli::resolve_device(setting, &needs)?.to_string());
+        cfg.device = Some(envelope_engine::device::resolve(setting, &needs)?.to_string());
     }
     // A file or dummy preset is hashed; a name another server serves is kept as its id.
     let model = match &cfg.target {

@@ -11,7 +11,7 @@ use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
 use crate::sampling::{DevicePick, Sampler, SamplingParams};
 use crate::scheduler::{Plan, Scheduler, SeqId};
-use crate::settings::{EngineConfig, KvBudget};
+use crate::settings::{EngineConfig, KvBudget, Placement};
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -153,41 +153,6 @@ impl StepRunner for crate::cuda::CudaModel {
     }
 }
 
-/// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Placement {
-    #[default]
-    Cpu,
-    Cuda {
-        ordinal: usize,
-    },
-}
-
-impl std::fmt::Display for Placement {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Placement::Cpu => f.write_str("cpu"),
-            Placement::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
-        }
-    }
-}
-
-impl std::str::FromStr for Placement {
-    type Err = String;
-    /// `cpu`, `cuda` or `cuda:N` (`auto` is resolved before it gets here).
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(Placement::Cpu),
-            "cuda" => Ok(Placement::Cuda { ordinal: 0 }),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(|ordinal| Placement::Cuda { ordinal })
-                .ok_or_else(|| format!("`{s}` is not cpu, cuda or cuda:N")),
-        }
-    }
-}
-
 /// The step machine. Single-threaded; `EngineHandle` runs it on a thread.
 pub struct Engine {
     runner: Box<dyn StepRunner>,
@@ -248,30 +213,6 @@ impl Engine {
         }
     }
 
-    fn check_config(cfg: &EngineConfig) -> Result<()> {
-        if cfg.block_size == 0 {
-            return Err(EngineError::InvalidSetting {
-                field: "block_size",
-                message: "must be > 0".into(),
-            });
-        }
-        if cfg.scheduler.max_num_seqs == 0 || cfg.scheduler.max_num_batched_tokens == 0 {
-            return Err(EngineError::InvalidSetting {
-                field: "max_num_seqs",
-                message: "max_num_seqs and max_num_batched_tokens must be > 0".into(),
-            });
-        }
-        if let KvBudget::FractionOfAvailable(f) = cfg.kv_budget {
-            if !(f > 0.0 && f <= 1.0) {
-                return Err(EngineError::InvalidSetting {
-                    field: "kv_cache_fraction",
-                    message: format!("must be in (0, 1], got {f}"),
-                });
-            }
-        }
-        Ok(())
-    }
-
     /// What runs the steps now ([`StepRunner::describe`]): on CUDA, with
     /// the graphs captured and replayed so far.
     pub fn runner_now(&self) -> String {
@@ -285,7 +226,7 @@ impl Engine {
         info: ModelInfo,
         cfg: &EngineConfig,
     ) -> Result<Engine> {
-        Self::check_config(cfg)?;
+        cfg.validate()?;
         let plan = model.allocate_kv(cfg)?;
         let mc = model.config.clone();
         Ok(Self::assemble(
@@ -307,18 +248,12 @@ impl Engine {
         info: ModelInfo,
         cfg: &EngineConfig,
     ) -> Result<Engine> {
-        Self::check_config(cfg)?;
+        cfg.validate()?;
         let mc = &model.config;
         let bytes_per_token = mc.kv_bytes_per_token(cfg.kv_dtype.elem_bytes());
         let budget = match cfg.kv_budget {
             KvBudget::Bytes(b) => b,
             KvBudget::FractionOfAvailable(f) => {
-                if !(0.0..=1.0).contains(&f) || f == 0.0 {
-                    return Err(EngineError::InvalidSetting {
-                        field: "kv_cache_fraction",
-                        message: format!("must be in (0, 1], got {f}"),
-                    });
-                }
                 let avail = host_available_bytes().ok_or_else(|| EngineError::InvalidSetting {
                     field: "kv_cache_fraction",
                     message: "cannot read MemAvailable from /proc/meminfo; pass --kv-cache-bytes"

@@ -48,6 +48,9 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     Cuda(#[from] envelope_cuda::CudaError),
+    /// `--device cuda` without a usable device.
+    #[error(transparent)]
+    Device(#[from] envelope_cuda::SelectError),
 }
 
 impl EngineError {

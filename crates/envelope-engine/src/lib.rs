@@ -8,6 +8,7 @@ pub mod chat;
 pub mod config;
 pub mod cuda;
 pub mod cuda_check;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;
@@ -30,12 +31,12 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::ModelConfig;
 pub use engine::{
     Engine, EngineHandle, EngineInfo, EngineMetrics, Event, FinishReason, GenerateRequest,
-    Placement, StepStats,
+    StepStats,
 };
 pub use error::{EngineError, Result};
 pub use load::{load, load_cuda, LoadOptions, LoadedCuda, LoadedModel, ModelInfo};
 pub use precision::{KvDtype, Precision};
 pub use sampling::SamplingParams;
 pub use scheduler::{BatchPolicy, SchedulerConfig};
-pub use settings::{EngineConfig, KvBudget};
+pub use settings::{EngineConfig, KvBudget, Placement};
 pub use tokenizer::TextTokenizer;

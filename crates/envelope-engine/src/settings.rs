@@ -1,6 +1,7 @@
 //! How an engine is built: the KV pool, the batch policy, the context.
 //! Both backends (CPU and CUDA) take this one configuration.
 
+use crate::error::{EngineError, Result};
 use crate::precision::KvDtype;
 use crate::scheduler::SchedulerConfig;
 
@@ -35,6 +36,69 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             max_model_len: None,
             slow_step_ms_per_seq: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The checks every engine makes before it is built, and the CLI before
+    /// a model is loaded: one function, so both say the same. Sizes that
+    /// depend on the model or device (blocks that fit) are checked when the
+    /// pool is sized.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, message: String| {
+            Err(EngineError::InvalidSetting { field, message })
+        };
+        if self.block_size == 0 {
+            return bad("block_size", "must be at least 1".into());
+        }
+        if self.scheduler.max_num_seqs == 0 {
+            return bad("max_num_seqs", "must be at least 1".into());
+        }
+        if self.scheduler.max_num_batched_tokens == 0 {
+            return bad("max_num_batched_tokens", "must be at least 1".into());
+        }
+        match self.kv_budget {
+            KvBudget::FractionOfAvailable(f) if !(f > 0.0 && f <= 1.0) => {
+                bad("kv_cache_fraction", format!("must be in (0, 1], got {f}"))
+            }
+            KvBudget::Bytes(0) => bad("kv_cache_bytes", "must be at least 1".into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    #[default]
+    Cpu,
+    Cuda {
+        ordinal: usize,
+    },
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Placement::Cpu => f.write_str("cpu"),
+            Placement::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    /// `cpu`, `cuda` or `cuda:N` (`auto` is resolved before it gets here).
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Placement::Cpu),
+            "cuda" => Ok(Placement::Cuda { ordinal: 0 }),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| Placement::Cuda { ordinal })
+                .ok_or_else(|| format!("`{s}` is not cpu, cuda or cuda:N")),
         }
     }
 }

@@ -3,9 +3,9 @@
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use envelope_engine::engine::{Engine, EngineHandle, Placement, StepRunner};
+use envelope_engine::engine::{Engine, EngineHandle, StepRunner};
 use envelope_engine::model::SeqChunk;
-use envelope_engine::settings::{EngineConfig, KvBudget};
+use envelope_engine::settings::{EngineConfig, KvBudget, Placement};
 use envelope_engine::{LoadOptions, Precision};
 use envelope_server::{app, AppState};
 use http_body_util::BodyExt;
