@@ -42,6 +42,13 @@ pub enum CudaError {
     /// The device or driver cannot run the kernels (too old).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A source or PTX file that cannot be read or written.
+    #[error("{}: {source}", path.display())]
+    File {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     /// An environment setting with a value it does not take.
     #[error("{name}={value:?} is not a valid setting: use one of {allowed}")]
     Setting {

@@ -90,3 +90,46 @@ fn the_second_compile_comes_from_the_cache() {
     assert_eq!(first.key, second.key);
     assert_ne!(first.key, other.key);
 }
+
+/// `scripts/gen-ptx.sh`'s generator, run on a copy of `kernels/`: with the
+/// pinned NVRTC it writes exactly the committed `kernels/ptx/` (every PTX
+/// file and `SOURCES`), and it drops the PTX of a source that is gone.
+#[test]
+fn the_generator_reproduces_the_committed_ptx() {
+    let Some(lib) = std::env::var_os("ENVELOPE_NVRTC_LIB") else {
+        eprintln!("SKIPPED: ENVELOPE_NVRTC_LIB is not set");
+        return;
+    };
+    let nvrtc = Nvrtc::load_from(&lib.to_string_lossy()).unwrap_or_else(|e| panic!("{e}"));
+    if nvrtc.version().unwrap() != envelope_cuda::embedded::NVRTC {
+        eprintln!("SKIPPED: not the pinned NVRTC");
+        return;
+    }
+    let include = include_dir().unwrap_or_else(|e| panic!("{e}"));
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+    let dir = std::env::temp_dir().join(format!("envelope-gen-ptx-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("ptx")).unwrap();
+    for e in std::fs::read_dir(&repo).unwrap().flatten() {
+        if e.path().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+    }
+    // A stale file of a source that no longer exists.
+    std::fs::write(dir.join("ptx/gone.compute_80.ptx"), "old").unwrap();
+    let written = envelope_cuda::ptxgen::regenerate(&nvrtc, &include, &dir, &dir.join("ptx"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(written.len(), 2 * KERNELS.len() + 1);
+    assert!(!dir.join("ptx/gone.compute_80.ptx").exists());
+    for w in &written {
+        let name = w.path.file_name().unwrap();
+        let committed = std::fs::read_to_string(repo.join("ptx").join(name)).unwrap();
+        let made = std::fs::read_to_string(&w.path).unwrap();
+        assert!(
+            made == committed,
+            "{}: the generator's output differs from kernels/ptx/",
+            name.to_string_lossy()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
