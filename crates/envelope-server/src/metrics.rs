@@ -50,6 +50,9 @@ pub const NAMES: &[&str] = &[
     "envelope:e2e_request_latency_seconds",
 ];
 
+/// The reasons a request fails with after admission ([`ApiError::reason`]).
+const AFTER_ADMISSION: [&str; 2] = ["engine_error", "shut_down"];
+
 /// The `reason` label of `envelope:request_error_total`: an [`ApiError`]'s.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
@@ -80,7 +83,18 @@ impl ServerMetrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             requests_success: Counter::default(),
-            requests_error: Family::default(),
+            requests_error: {
+                // Every reason a request can fail with after admission is
+                // exported from the start, at 0: a family without samples
+                // is not valid Prometheus text to every parser (the
+                // telemetry adapters' refuses it, and the governor's live
+                // guard then goes blind).
+                let f: Family<ReasonLabel, Counter> = Family::default();
+                for reason in AFTER_ADMISSION {
+                    drop(f.get_or_create(&ReasonLabel { reason }));
+                }
+                f
+            },
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
             itl: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             e2e: Histogram::new(exponential_buckets(0.01, 2.0, 16)),

@@ -77,6 +77,18 @@ fn assert_openai_error(v: &Value) {
 #[tokio::test]
 async fn a_completion_is_served_without_a_model_file() {
     let (app, handle) = server(false);
+    // A fresh server exports every failure reason at 0: a counter family
+    // without samples is not valid Prometheus text to every parser.
+    let (_, m) = call(&app, "GET", "/metrics", None).await;
+    let m = m.as_str().unwrap();
+    for reason in ["engine_error", "shut_down"] {
+        assert!(
+            m.contains(&format!(
+                "envelope:request_error_total{{reason=\"{reason}\"}} 0"
+            )),
+            "{m}"
+        );
+    }
     let (status, v) = call(
         &app,
         "POST",
