@@ -1,6 +1,8 @@
 //! Runs `envelope serve` on a free loopback port for a test and stops it on drop.
 #![allow(dead_code)]
 
+pub mod tiers;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -103,17 +105,24 @@ pub struct Governor {
 
 impl Governor {
     pub fn start(dir: &Path, profile: &Path, upstream: &str, extra: &[&str]) -> Governor {
+        let mut args = vec![
+            "--profile",
+            profile.to_str().unwrap(),
+            "--upstream",
+            upstream,
+        ];
+        args.extend_from_slice(extra);
+        Governor::launch(dir, &args)
+    }
+
+    /// `envelope govern` with `args` (besides a free loopback port and
+    /// `--on-mismatch ignore`).
+    pub fn launch(dir: &Path, args: &[&str]) -> Governor {
         let log = dir.join("govern.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
             .arg("govern")
-            .args([
-                "--profile",
-                profile.to_str().unwrap(),
-                "--upstream",
-                upstream,
-            ])
+            .args(args)
             .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
-            .args(extra)
             .env("ENVELOPE_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -767,4 +767,5 @@ impl Governor {
 }
 
 mod lifecycle;
+mod now;
 mod state;

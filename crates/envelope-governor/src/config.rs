@@ -56,6 +56,9 @@ pub struct GovernArgs {
     /// The profile to enforce (written by `envelope sweep`).
     #[arg(long, env = "ENVELOPE_GOVERN_PROFILE")]
     pub profile: Option<PathBuf>,
+    /// Model tiers: a TOML file of tiers, each with its upstreams and their profiles, and the rules that route calls between them (instead of --profile and --upstream; see docs/tiers.md).
+    #[arg(long, env = "ENVELOPE_GOVERN_TIERS", conflicts_with_all = ["profile", "upstream"])]
+    pub tiers: Option<PathBuf>,
     /// The OpenAI-compatible server to protect.
     #[arg(long, env = "ENVELOPE_GOVERN_UPSTREAM")]
     pub upstream: Option<String>,
@@ -206,6 +209,7 @@ impl GovernArgs {
             self,
             f,
             profile,
+            tiers,
             upstream,
             listen,
             max_context_tokens,

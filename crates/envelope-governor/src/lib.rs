@@ -27,7 +27,9 @@ pub mod queue;
 pub mod request;
 pub mod settings;
 pub mod start;
+pub mod tiers;
 pub mod tokens;
+pub mod upstream;
 
 pub use admission::{Ask, Governor, Permit};
 pub use config::{GovernArgs, OnMismatch, TokenCount};

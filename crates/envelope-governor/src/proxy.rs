@@ -26,7 +26,9 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
 pub use serve::serve;
+pub(crate) use serve::serve_router;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -71,7 +73,8 @@ pub fn upstream_client(s: &Settings) -> reqwest::Client {
 }
 
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
-const ADMIN_DENIED: &str = "admin endpoints answer loopback or a valid x-envelope-admin-token";
+pub(crate) const ADMIN_DENIED: &str =
+    "admin endpoints answer loopback or a valid x-envelope-admin-token";
 
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
@@ -102,7 +105,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 /// Loopback, or the admin token (compared in constant time).
-fn admin_allowed(s: &AppState, req: &Request) -> bool {
+pub(crate) fn admin_allowed(s: &AppState, req: &Request) -> bool {
     let loopback = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -121,7 +124,7 @@ fn admin_allowed(s: &AppState, req: &Request) -> bool {
 
 /// A request a browser sent (a page on any site can make the browser POST
 /// to a loopback address; browsers mark such requests, scripts do not).
-fn from_a_browser(h: &HeaderMap) -> bool {
+pub(crate) fn from_a_browser(h: &HeaderMap) -> bool {
     h.contains_key("origin")
         || h.get("sec-fetch-site")
             .is_some_and(|v| v.as_bytes() != b"none")
@@ -245,7 +248,7 @@ fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
     e
 }
 
-const HOP_BY_HOP: &[&str] = &[
+pub(crate) const HOP_BY_HOP: &[&str] = &[
     "host",
     "content-length",
     "connection",
@@ -257,7 +260,7 @@ const HOP_BY_HOP: &[&str] = &[
     "proxy-connection",
 ];
 
-fn forward_headers(h: &HeaderMap) -> HeaderMap {
+pub(crate) fn forward_headers(h: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(h.len());
     for (k, v) in h {
         let name = k.as_str();
@@ -270,7 +273,7 @@ fn forward_headers(h: &HeaderMap) -> HeaderMap {
     out
 }
 
-fn reject(s: &AppState, e: GovernError) -> Response {
+pub(crate) fn reject(s: &AppState, e: GovernError) -> Response {
     s.gov.metrics.reject(e.reason());
     if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
         tracing::info!(
@@ -342,7 +345,7 @@ async fn read_body(body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, G
 /// Prompt tokens per group, within the count timeout and the cap on
 /// requests counted at once; past the timeout, the bound estimate. Media
 /// parts of a chat add their configured cost.
-async fn count(
+pub(crate) async fn count(
     s: &AppState,
     settings: &Settings,
     parsed: &ParsedRequest,
@@ -376,14 +379,47 @@ async fn count(
     Ok((counts, source))
 }
 
-async fn handle(
-    s: &Arc<AppState>,
-    settings: &Arc<Settings>,
+/// A governed request as read: its headers, bytes, parsed body, deadline
+/// and the end of its lifetime.
+pub(crate) struct Incoming {
+    pub parts: axum::http::request::Parts,
+    pub bytes: Bytes,
+    pub parsed: ParsedRequest,
+    pub arrived: Instant,
+    /// When the request must be answered (arrival + its deadline).
+    pub deadline: Instant,
+    /// The end of its lifetime, queue and answer (max_request_ms).
+    pub end: Instant,
+}
+
+impl Incoming {
+    /// A copy that outlives the request (for work off its path): the same
+    /// method, URI, headers, body and times.
+    pub(crate) fn detached(&self) -> Incoming {
+        let mut req = axum::http::Request::new(());
+        *req.method_mut() = self.parts.method.clone();
+        *req.uri_mut() = self.parts.uri.clone();
+        *req.headers_mut() = self.parts.headers.clone();
+        let (parts, ()) = req.into_parts();
+        Incoming {
+            parts,
+            bytes: self.bytes.clone(),
+            parsed: self.parsed.clone(),
+            arrived: self.arrived,
+            deadline: self.deadline,
+            end: self.end,
+        }
+    }
+}
+
+/// Reads, bounds and parses a governed request.
+pub(crate) async fn read_request(
+    settings: &Settings,
     endpoint: Endpoint,
     req: Request,
     arrived: Instant,
-    who: &Identity,
-) -> Result<Response, GovernError> {
+    class: crate::queue::Class,
+) -> Result<Incoming, GovernError> {
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -399,7 +435,6 @@ async fn handle(
     }
     let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
     let parsed = request::parse(endpoint, &bytes)?;
-    let class = who.class;
     let deadline_ms = match parts.headers.get(DEADLINE_HEADER) {
         None => settings.class_deadline_ms(class),
         Some(v) => v
@@ -416,7 +451,52 @@ async fn handle(
     };
     // The whole request, queue and answer, ends by its lifetime.
     let end = arrived + Duration::from_millis(settings.max_request_ms);
-    let (counts, source) = count(s, settings, &parsed).await?;
+    Ok(Incoming {
+        parts,
+        bytes,
+        parsed,
+        arrived,
+        deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),
+        end,
+    })
+}
+
+/// Whether placing a request may wait in the admission queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Admit now or not at all (`Ok(None)`): for trying one upstream
+    /// before another.
+    No,
+    /// Queue until the request's deadline.
+    UntilDeadline,
+}
+
+/// A request placed on one upstream: its reservation and what was planned.
+pub(crate) struct Placed {
+    pub permit: Permit,
+    pub plan: policy::Plan,
+    pub source: CountSource,
+}
+
+/// Counts, plans and admits `inc` on the upstream behind `s`, to be
+/// answered by `deadline`.
+///
+/// # Errors
+/// What the governor refuses: a request that can never fit the profile
+/// (4xx), one that fits the profile but not today's caps or the queue
+/// (429), draining (503). With [`Wait::No`], a request that does not fit
+/// right now is `Ok(None)` instead of a 429.
+pub(crate) async fn place(
+    s: &AppState,
+    settings: &Settings,
+    inc: &Incoming,
+    who: &Identity,
+    wait: Wait,
+    deadline: Instant,
+) -> Result<Option<Placed>, GovernError> {
+    let parsed = &inc.parsed;
+    let class = who.class;
+    let (counts, source) = count(s, settings, parsed).await?;
     s.gov
         .metrics
         .token_counts
@@ -430,7 +510,7 @@ async fn handle(
             limits,
             settings.over_limit,
             settings.beyond,
-            endpoint,
+            parsed.endpoint,
             &counts,
             parsed.max_tokens,
             parsed.n,
@@ -442,11 +522,15 @@ async fn handle(
         // A max_tokens the client asked for (within the profile) is never
         // shortened: it waits for the caps to recover. One we chose
         // (injected or clamped) follows today's caps.
-        plan = match plan.decision {
+        let shorter = match plan.decision {
             OutputDecision::Kept => None,
             _ => plan_for(&current).ok().filter(|p| p.fits(&current)),
-        }
-        .ok_or_else(|| s.gov.tightened(class, plan.demand))?;
+        };
+        plan = match (shorter, wait) {
+            (Some(p), _) => p,
+            (None, Wait::No) => return Ok(None),
+            (None, Wait::UntilDeadline) => return Err(s.gov.tightened(class, plan.demand)),
+        };
     }
     let expected_ttft_ms = plan
         .charges
@@ -454,82 +538,127 @@ async fn handle(
         .filter_map(|c| settings.limits.buckets.get(c.bucket))
         .filter_map(|b| b.ttft_p95_ms)
         .reduce(f64::max);
+    let ask = Ask {
+        tenant: who.tenant.clone(),
+        class,
+        deadline,
+        demand: plan.demand,
+        charges: plan.charges.clone(),
+        expected_ttft_ms,
+    };
+    let permit = match wait {
+        Wait::UntilDeadline => s.gov.admit(ask).await?,
+        Wait::No => match s.gov.try_admit(ask)? {
+            Some(p) => p,
+            None => return Ok(None),
+        },
+    };
     s.gov
         .metrics
         .output_decisions
         .get_or_create(&label("decision", plan.decision.label()))
         .inc();
-    let permit = s
-        .gov
-        .admit(Ask {
-            tenant: who.tenant.clone(),
-            class,
-            deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),
-            demand: plan.demand,
-            charges: plan.charges.clone(),
-            expected_ttft_ms,
-        })
-        .await?;
     s.gov
         .metrics
         .admitted
-        .get_or_create(&label("endpoint", endpoint.label()))
+        .get_or_create(&label("endpoint", parsed.endpoint.label()))
         .inc();
-    let body = parsed.body_with_max_tokens(&bytes, plan.max_tokens);
-    let path = match endpoint {
+    Ok(Some(Placed {
+        permit,
+        plan,
+        source,
+    }))
+}
+
+/// Sends a placed request upstream (`bytes` and `parsed` are the body to
+/// forward before the output limit is applied) and returns the answer's
+/// head, within the upstream timeout and the request's lifetime.
+///
+/// # Errors
+/// The upstream is unreachable or silent (502/504), or the governor is
+/// draining (503). The caller still holds the permit.
+pub(crate) async fn send(
+    s: &AppState,
+    settings: &Settings,
+    inc: &Incoming,
+    bytes: &Bytes,
+    parsed: &ParsedRequest,
+    placed: &Placed,
+) -> Result<reqwest::Response, GovernError> {
+    let body = parsed.body_with_max_tokens(bytes, placed.plan.max_tokens);
+    let path = match parsed.endpoint {
         Endpoint::Completions => "/v1/completions",
         Endpoint::Chat => "/v1/chat/completions",
     };
-    let mut headers = forward_headers(&parts.headers);
+    let mut headers = forward_headers(&inc.parts.headers);
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     let url = format!("{}{path}", s.upstream);
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
-        .min(end.saturating_duration_since(Instant::now()));
-    s.gov.note_added_latency(arrived.elapsed());
-    let sent_at = Instant::now();
+        .min(inc.end.saturating_duration_since(Instant::now()));
+    s.gov.note_added_latency(inc.arrived.elapsed());
     let send = s.client.post(&url).headers(headers).body(body).send();
     let mut cut = s.gov.cut_signal();
-    let resp = tokio::select! {
+    tokio::select! {
         r = tokio::time::timeout(timeout, send) => match r {
-            Ok(Ok(r)) => r,
-            // The permit drops with this scope: the reservation is released.
+            Ok(Ok(r)) => Ok(r),
             // A connect timeout is an unreachable upstream (502), not a slow one.
-            Ok(Err(e)) => {
-                return Err(upstream_error(
-                    s,
-                    format!("{url}: {e}"),
-                    e.is_timeout() && !e.is_connect(),
-                ))
-            }
-            Err(_) => {
-                return Err(upstream_error(
-                    s,
-                    format!("{url}: no response headers in {} ms", timeout.as_millis()),
-                    true,
-                ))
-            }
+            Ok(Err(e)) => Err(upstream_error(
+                s,
+                format!("{url}: {e}"),
+                e.is_timeout() && !e.is_connect(),
+            )),
+            Err(_) => Err(upstream_error(
+                s,
+                format!("{url}: no response headers in {} ms", timeout.as_millis()),
+                true,
+            )),
         },
-        _ = cut.wait_for(|c| *c) => return Err(GovernError::Draining),
-    };
-    let extra = vec![
-        ("x-envelope-max-tokens", plan.max_tokens.to_string()),
+        _ = cut.wait_for(|c| *c) => Err(GovernError::Draining),
+    }
+}
+
+/// The headers that say what the governor did with a placed request.
+pub(crate) fn placed_headers(placed: &Placed) -> Vec<(&'static str, String)> {
+    vec![
+        ("x-envelope-max-tokens", placed.plan.max_tokens.to_string()),
         (
             "x-envelope-max-tokens-decision",
-            plan.decision.label().to_string(),
+            placed.plan.decision.label().to_string(),
         ),
-        ("x-envelope-prompt-tokens", plan.prompt_tokens.to_string()),
-        ("x-envelope-token-count", source.label().to_string()),
+        (
+            "x-envelope-prompt-tokens",
+            placed.plan.prompt_tokens.to_string(),
+        ),
+        ("x-envelope-token-count", placed.source.label().to_string()),
         (
             "x-envelope-queue-ms",
-            permit.queued_for.as_millis().to_string(),
+            placed.permit.queued_for.as_millis().to_string(),
         ),
-    ];
+    ]
+}
+
+async fn handle(
+    s: &Arc<AppState>,
+    settings: &Arc<Settings>,
+    endpoint: Endpoint,
+    req: Request,
+    arrived: Instant,
+    who: &Identity,
+) -> Result<Response, GovernError> {
+    let inc = read_request(settings, endpoint, req, arrived, who.class).await?;
+    let placed = place(s, settings, &inc, who, Wait::UntilDeadline, inc.deadline)
+        .await?
+        .expect("a request allowed to wait is placed or refused");
+    let sent_at = Instant::now();
+    // On an error the permit drops with this scope: the reservation is released.
+    let resp = send(s, settings, &inc, &inc.bytes, &inc.parsed, &placed).await?;
+    let extra = placed_headers(&placed);
     Ok(flow::stream_back(
         s,
         resp,
-        Some(permit),
+        Some(placed.permit),
         Some(sent_at),
-        end,
+        inc.end,
         extra,
     ))
 }

@@ -3,9 +3,9 @@
 //! background tasks (latency tick, live guard, hot reload on SIGHUP or a
 //! file change) and the drain on SIGTERM.
 
-use crate::config::{GovernArgs, OnMismatch, TokenCount};
+use crate::config::GovernArgs;
 use crate::error::StartError;
-use crate::{live, AppState, Governor, TokenCounter};
+use crate::{live, AppState, Governor};
 use envelope_profile::Profile;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -19,6 +19,9 @@ use std::time::{Duration, SystemTime};
 /// tenants file, a refused fingerprint mismatch, an address it cannot bind.
 pub fn run(args: GovernArgs) -> Result<(), StartError> {
     let args = args.with_config()?;
+    if let Some(tiers) = args.tiers.clone() {
+        return crate::tiers::run(args, tiers);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -27,74 +30,6 @@ pub fn run(args: GovernArgs) -> Result<(), StartError> {
 
 fn mtime(p: &Path) -> Option<SystemTime> {
     std::fs::metadata(p).and_then(|m| m.modified()).ok()
-}
-
-async fn get_json(client: &reqwest::Client, url: &str) -> Option<serde_json::Value> {
-    let r = client
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .ok()?;
-    r.json().await.ok()
-}
-
-async fn pick_counter(
-    args: &GovernArgs,
-    client: &reqwest::Client,
-    upstream: &str,
-) -> Result<TokenCounter, StartError> {
-    if let Some(p) = &args.tokenizer {
-        return TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid);
-    }
-    let estimate = TokenCounter::Estimate {
-        bytes_per_token: args
-            .estimate_bytes_per_token
-            .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN),
-    };
-    let url = format!("{upstream}/tokenize");
-    let upstream_counter = TokenCounter::Upstream {
-        client: client.clone(),
-        url: url.clone(),
-        timeout: Duration::from_secs(10),
-    };
-    match args.token_count.unwrap_or(TokenCount::Auto) {
-        TokenCount::Estimate => Ok(estimate),
-        TokenCount::Upstream => Ok(upstream_counter),
-        TokenCount::Auto => {
-            let probe = client
-                .post(&url)
-                .json(&serde_json::json!({"prompt": "probe"}))
-                .timeout(Duration::from_secs(5))
-                .send()
-                .await;
-            match probe {
-                Ok(r) if r.status().is_success() => Ok(upstream_counter),
-                Ok(r) => {
-                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN));
-                    Ok(estimate)
-                }
-                // Not up yet: count with it once it is (requests get 502 while
-                // it is down, as they would from the upstream itself).
-                Err(e) => {
-                    tracing::warn!("{url} is not reachable yet ({e}); counting with it once it is");
-                    Ok(upstream_counter)
-                }
-            }
-        }
-    }
-}
-
-fn gpus() -> Vec<(Option<String>, Option<u64>)> {
-    match envelope_telemetry::Nvml::init() {
-        Ok(n) => (0..n.device_count())
-            .map(|i| {
-                let info = n.info(i);
-                (info.name, info.memory_total_bytes)
-            })
-            .collect(),
-        Err(_) => vec![],
-    }
 }
 
 async fn run_async(args: GovernArgs) -> Result<(), StartError> {
@@ -118,32 +53,11 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let shown = profile_path.display().to_string();
     let text = crate::config::read("--profile", &profile_path)?;
     let profile = Profile::from_json(&text, &shown)?;
-    let models = get_json(&client, &format!("{upstream}/v1/models")).await;
-    if models.is_none() {
-        tracing::warn!("{upstream}/v1/models did not answer; the model id is not checked");
-    }
-    let mismatches = live::fingerprint_mismatches(&profile, models.as_ref(), &gpus());
-    let mut conservative = false;
-    if !mismatches.is_empty() {
-        let list = mismatches.join("; ");
-        match args.on_mismatch.unwrap_or(OnMismatch::Conservative) {
-            OnMismatch::Refuse => {
-                return Err(StartError::Mismatch {
-                    profile: shown,
-                    list,
-                })
-            }
-            OnMismatch::Conservative => {
-                conservative = true;
-                tracing::warn!("!!! PROFILE MISMATCH: {list}. Running with HALF the profile's concurrency and KV budget (--on-mismatch conservative). Measure this node with `envelope sweep`. !!!");
-            }
-            OnMismatch::Ignore => {
-                tracing::warn!("profile mismatch ignored (--on-mismatch ignore): {list}")
-            }
-        }
-    }
+    let conservative =
+        crate::upstream::check_profile(&args, &client, &upstream, &profile, &shown).await?;
     let settings = args.settings(&profile_path, conservative)?;
-    let counter = pick_counter(&args, &client, &upstream).await?;
+    let counter =
+        crate::upstream::pick_counter(&args, args.tokenizer.as_deref(), &client, &upstream).await?;
     let l = &settings.limits;
     tracing::info!(
         profile = %settings.profile_id, max_context_tokens = l.max_context_tokens,

@@ -47,7 +47,23 @@ struct Flow {
     tail: Vec<u8>,
     events: u64,
     done: bool,
+    /// Told how the stream ended, once.
+    on_end: Option<OnEnd>,
 }
+
+/// How a relayed stream ended, for whoever books it (model tiers).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StreamEnd {
+    /// The `usage` numbers at the end of the body, when it had them.
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// SSE data events seen (about one per token without `usage`).
+    pub events: u64,
+    /// It ended whole (not cut by an error, a timeout or the drain).
+    pub whole: bool,
+}
+
+pub(crate) type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
 
 const TAIL_BYTES: usize = 4096;
 
@@ -124,7 +140,20 @@ impl Flow {
         (ttft, itl, None)
     }
 
+    fn tell(&mut self, whole: bool) {
+        if let Some(f) = self.on_end.take() {
+            let tail = String::from_utf8_lossy(&self.tail);
+            f(StreamEnd {
+                prompt_tokens: find_number(&tail, "\"prompt_tokens\""),
+                completion_tokens: find_number(&tail, "\"completion_tokens\""),
+                events: self.events,
+                whole,
+            });
+        }
+    }
+
     fn settle(&mut self) {
+        self.tell(true);
         if self.ok {
             if let Some(p) = &self.permit {
                 let (ttft, itl, e2e) = self.timings();
@@ -196,6 +225,13 @@ impl Flow {
     }
 }
 
+impl Drop for Flow {
+    /// A client that went away: the stream did not end whole.
+    fn drop(&mut self) {
+        self.tell(false);
+    }
+}
+
 /// The upstream's answer, streamed back with `extra` headers.
 pub(super) fn stream_back(
     s: &AppState,
@@ -204,6 +240,19 @@ pub(super) fn stream_back(
     sent_at: Option<Instant>,
     end: Instant,
     extra: Vec<(&'static str, String)>,
+) -> Response {
+    stream_back_with(s, resp, permit, sent_at, end, extra, None)
+}
+
+/// [`stream_back`], telling `on_end` how the stream ended.
+pub(crate) fn stream_back_with(
+    s: &AppState,
+    resp: reqwest::Response,
+    permit: Option<Permit>,
+    sent_at: Option<Instant>,
+    end: Instant,
+    extra: Vec<(&'static str, String)>,
+    on_end: Option<OnEnd>,
 ) -> Response {
     let status = resp.status();
     let mut headers = HeaderMap::with_capacity(resp.headers().len() + extra.len());
@@ -240,6 +289,7 @@ pub(super) fn stream_back(
         tail: Vec::new(),
         events: 0,
         done: false,
+        on_end,
     };
     let stream = futures::stream::unfold(flow, |mut f| async move {
         if f.done {
@@ -261,6 +311,7 @@ pub(super) fn stream_back(
             Err(stop) => stop,
         };
         f.done = true;
+        f.tell(false);
         let message = stop.message(&f);
         if stop.upstream_fault() {
             f.gov

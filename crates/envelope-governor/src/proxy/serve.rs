@@ -22,9 +22,21 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let settings = state.gov.settings();
-    let router = app(state);
-    let slots = Arc::new(tokio::sync::Semaphore::new(settings.max_connections));
-    let header_timeout = Duration::from_millis(settings.header_read_timeout_ms);
+    let limits = (
+        settings.max_connections,
+        Duration::from_millis(settings.header_read_timeout_ms),
+    );
+    serve_router(listener, app(state), limits, shutdown).await
+}
+
+/// Serves `router` with (most connections, header read timeout).
+pub(crate) async fn serve_router(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    (max_connections, header_timeout): (usize, Duration),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder

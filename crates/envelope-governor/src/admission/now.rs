@@ -1,0 +1,57 @@
+//! Admission without waiting, for placing a request on one of several
+//! upstreams (model tiers): admit now or say it does not fit, and how full
+//! an upstream is.
+
+use super::{Ask, Governor, Permit};
+use crate::error::GovernError;
+use crate::ladder::Level;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Governor {
+    /// Admits now or not at all: `Ok(None)` when the request does not fit
+    /// right now for any reason that passes (the caps, the guard, the
+    /// queue, other requests), so the caller can try another upstream
+    /// before anything is refused. Nothing is queued.
+    ///
+    /// # Errors
+    /// 503 while draining; 400 if it can never fit this upstream.
+    pub fn try_admit(self: &Arc<Self>, ask: Ask) -> Result<Option<Permit>, GovernError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(GovernError::Draining);
+        }
+        let mut g = self.lock();
+        if g.ladder.level() == Level::RejectNew {
+            return Ok(None);
+        }
+        if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
+            let cap = g.ledger.full_capacity();
+            return Err(GovernError::NeverFits {
+                param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
+                message: format!(
+                    "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens",
+                    ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
+                ),
+            });
+        }
+        if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
+            let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
+            self.publish(&g);
+            return Ok(Some(p));
+        }
+        Ok(None)
+    }
+
+    /// The share of this upstream's envelope reserved now (0..1, the most
+    /// used of sequences, KV tokens and capacity units): how full it is.
+    pub fn fullness(&self) -> f64 {
+        let g = self.lock();
+        let cap = g.ledger.capacity();
+        let used = g.ledger.used();
+        let f = |u: u64, c: u64| if c == 0 { 1.0 } else { u as f64 / c as f64 };
+        f(used.seqs, cap.seqs)
+            .max(f(used.kv_tokens, cap.kv_tokens))
+            .max(f(used.capacity, cap.capacity))
+    }
+}

@@ -1,0 +1,686 @@
+//! One call through the tiers: identify, read, route, look up the cache,
+//! place (the starting tier now, else a fallback tier now, else wait on
+//! the starting tier; a call that can never fit its tier goes up), send,
+//! check the whole answer and retry once a tier up when it fails, book
+//! every attempt, and answer with headers that say what happened.
+
+use super::book::{Outcome, Story, Tag};
+use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
+use super::check::{check, read_answer, Answer, Expect, Usage};
+use super::config::{valid_name, Check, OutOfTime, StreamMode};
+use super::cost::NO_FEATURE;
+use super::live::{Live, Router, Upstream};
+use super::metrics::labels;
+use super::route::{body_signals, route, Route};
+use crate::error::GovernError;
+use crate::identity::{self, Identity};
+use crate::proxy::{self, Incoming, Placed, Wait};
+use crate::request::Endpoint;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const FEATURE_HEADER: &str = "x-envelope-feature";
+pub const HINT_HEADER: &str = "x-envelope-tier-hint";
+pub const CONVERSATION_HEADER: &str = "x-envelope-conversation";
+pub const NO_TRUNCATION_HEADER: &str = "x-envelope-no-truncation";
+
+/// A header's value as a name (feature, hint, conversation).
+fn named(h: &HeaderMap, header: &str) -> Result<Option<String>, GovernError> {
+    match h.get(header) {
+        None => Ok(None),
+        Some(v) => {
+            let s = v.to_str().unwrap_or("").trim();
+            if valid_name(s) {
+                Ok(Some(s.to_string()))
+            } else {
+                Err(GovernError::invalid(
+                    None,
+                    format!("header {header} must hold 1 to 64 of A-Z a-z 0-9 . _ - : @ /"),
+                ))
+            }
+        }
+    }
+}
+
+fn truthy(h: &HeaderMap, header: &str) -> bool {
+    h.get(header)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
+}
+
+/// What one call is, once read.
+struct Call {
+    inc: Incoming,
+    who: Identity,
+    tag: Tag,
+    conversation: Option<String>,
+    route: Route,
+    expect: Expect,
+    /// The whole answer is held before it goes back (so it can be checked).
+    buffered: bool,
+}
+
+/// One attempt on one upstream, whole.
+struct Whole {
+    tier: usize,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+    answer: Option<Answer>,
+    placed_headers: Vec<(&'static str, String)>,
+    cost: f64,
+}
+
+/// Refusals that say the call does not fit this tier's profile at all
+/// (another tier's may be larger).
+fn never_fits(e: &GovernError) -> bool {
+    matches!(
+        e,
+        GovernError::ContextLength { .. }
+            | GovernError::BeyondEnvelope { .. }
+            | GovernError::NeverFits { .. }
+            | GovernError::OutputTooLong { .. }
+    )
+}
+
+fn upstream_failed(e: &GovernError) -> bool {
+    matches!(
+        e,
+        GovernError::UpstreamUnreachable(_) | GovernError::UpstreamTimeout(_)
+    )
+}
+
+impl Router {
+    fn deadline_on(&self, live: &Live, tier: usize, inc: &Incoming) -> Instant {
+        match live.tiers[tier].latency_budget_ms {
+            Some(ms) => inc.deadline.min(inc.arrived + Duration::from_millis(ms)),
+            None => inc.deadline,
+        }
+    }
+
+    /// Tries tier `tier`'s upstreams, the one with most room first.
+    async fn place_on(
+        &self,
+        live: &Live,
+        tier: usize,
+        call: &Call,
+        wait: Wait,
+    ) -> Result<Option<(Arc<Upstream>, Placed)>, GovernError> {
+        let deadline = self.deadline_on(live, tier, &call.inc);
+        let ups = live.by_room(tier);
+        let candidates: &[Arc<Upstream>] = match wait {
+            Wait::No => &ups,
+            // Wait on the one with the most room only.
+            Wait::UntilDeadline => &ups[..ups.len().min(1)],
+        };
+        for up in candidates {
+            let settings = up.app.gov.settings();
+            if let Some(p) =
+                proxy::place(&up.app, &settings, &call.inc, &call.who, wait, deadline).await?
+            {
+                return Ok(Some((up.clone(), p)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Where the call runs: its tier if it has room now, else the first
+    /// fallback tier with room now (never when pinned), else a wait on its
+    /// own tier. A call that can never fit its tier tries the tiers above.
+    async fn placement(
+        &self,
+        live: &Live,
+        call: &Call,
+        start: usize,
+    ) -> Result<(usize, Arc<Upstream>, Placed), GovernError> {
+        let mut now = vec![start];
+        if !call.route.pinned {
+            now.extend(live.fallbacks(start));
+        }
+        let mut too_big: Option<GovernError> = None;
+        for &t in &now {
+            match self.place_on(live, t, call, Wait::No).await {
+                Ok(Some((up, p))) => return Ok((t, up, p)),
+                Ok(None) => {}
+                Err(e) if never_fits(&e) => {
+                    if t == start {
+                        too_big = Some(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut waits: Vec<usize> = vec![start];
+        if too_big.is_some() && !call.route.pinned {
+            waits = (start + 1..live.tiers.len()).collect();
+        }
+        let mut last = too_big;
+        for t in waits {
+            match self.place_on(live, t, call, Wait::UntilDeadline).await {
+                Ok(Some((up, p))) => return Ok((t, up, p)),
+                Ok(None) => {}
+                Err(e) if never_fits(&e) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            GovernError::invalid(None, "no tier can take this call".to_string())
+        }))
+    }
+
+    /// Sends a placed call and reads the whole answer (within its lifetime).
+    async fn attempt(
+        &self,
+        live: &Live,
+        call: &Call,
+        tier: usize,
+        up: &Upstream,
+        mut placed: Placed,
+    ) -> Result<Whole, GovernError> {
+        let settings = up.app.gov.settings();
+        let (bytes, parsed) = up.body_for(&call.inc.parsed, &call.inc.bytes);
+        let sent_at = Instant::now();
+        let resp = proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await;
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) => {
+                // Nothing came back: the prompt was sent, so book it.
+                let u = Usage {
+                    prompt: placed.plan.prompt_tokens,
+                    ..Usage::default()
+                };
+                self.book_attempt(live, tier, &call.tag, &up.price, u);
+                return Err(e);
+            }
+        };
+        let status = resp.status();
+        let mut headers = HeaderMap::new();
+        for (k, v) in resp.headers() {
+            if !proxy::HOP_BY_HOP.contains(&k.as_str()) {
+                headers.append(k.clone(), v.clone());
+            }
+        }
+        let left = call.inc.end.saturating_duration_since(Instant::now());
+        let body = match tokio::time::timeout(left, resp.bytes()).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                up.app.gov.note_upstream_error();
+                tracing::warn!("upstream {} failed mid-answer: {e}", up.spec.url);
+                let u = Usage {
+                    prompt: placed.plan.prompt_tokens,
+                    ..Usage::default()
+                };
+                self.book_attempt(live, tier, &call.tag, &up.price, u);
+                return Err(GovernError::UpstreamUnreachable(
+                    "the upstream failed mid-answer".into(),
+                ));
+            }
+            Err(_) => {
+                return Err(GovernError::UpstreamTimeout(
+                    "the answer did not end within the request's lifetime".into(),
+                ))
+            }
+        };
+        let sse = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let answer = read_answer(&body, sse);
+        let usage = answer.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
+            prompt: placed.plan.prompt_tokens,
+            completion: answer.as_ref().map_or(0, |a| a.events.saturating_sub(1)),
+            cached: 0,
+        });
+        placed.permit.settle(usage.prompt + usage.completion);
+        if status.is_success() && !sse {
+            let ms = sent_at.elapsed().as_secs_f64() * 1000.0;
+            placed.permit.record_latency(None, None, Some(ms));
+        }
+        let cost = self.book_attempt(live, tier, &call.tag, &up.price, usage);
+        let placed_headers = proxy::placed_headers(&placed);
+        drop(placed);
+        Ok(Whole {
+            tier,
+            status,
+            headers,
+            body,
+            answer,
+            placed_headers,
+            cost,
+        })
+    }
+
+    /// The check an attempt failed, if escalation looks at it.
+    fn failed(&self, live: &Live, call: &Call, r: &Result<Whole, GovernError>) -> Option<Check> {
+        let on = &live.file.escalation.on;
+        match r {
+            Ok(w) => check(on, &call.expect, w.status.as_u16(), w.answer.as_ref()),
+            Err(e) if upstream_failed(e) => on
+                .contains(&Check::UpstreamError)
+                .then_some(Check::UpstreamError),
+            Err(_) => None,
+        }
+    }
+}
+
+fn respond(live: &Live, w: Whole, s: &Story) -> Response {
+    let mut r = Response::new(Body::from(w.body));
+    *r.status_mut() = w.status;
+    *r.headers_mut() = w.headers;
+    let mut extra: Vec<(&'static str, String)> = w.placed_headers;
+    extra.push(("x-envelope-tier", live.tiers[w.tier].name.clone()));
+    extra.push(("x-envelope-route-reason", s.reason.clone()));
+    extra.push(("x-envelope-tiers-version", live.file.version.clone()));
+    extra.push(("x-envelope-cache", s.cache.to_string()));
+    extra.push(("x-envelope-cost", format!("{:.9}", s.cost)));
+    if let Some(f) = s.fell_back_from {
+        extra.push(("x-envelope-fallback-from", live.tiers[f].name.clone()));
+    }
+    if let Some((c, from)) = s.escalated {
+        extra.push(("x-envelope-escalated", c.label().to_string()));
+        extra.push(("x-envelope-escalated-from", live.tiers[from].name.clone()));
+    }
+    if let Some(why) = &s.escalation_failed {
+        extra.push(("x-envelope-escalation", format!("failed: {why}")));
+    }
+    add_headers(r.headers_mut(), extra);
+    r
+}
+
+fn add_headers(h: &mut HeaderMap, extra: Vec<(&'static str, String)>) {
+    for (k, v) in extra {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(HeaderName::from_static(k), v);
+        }
+    }
+}
+
+pub(super) async fn governed(
+    State(r): State<Arc<Router>>,
+    endpoint: Endpoint,
+    req: Request,
+) -> Response {
+    let arrived = Instant::now();
+    let live = r.live();
+    let base = live.tiers[0].upstreams[0].app.clone();
+    if r.is_draining() {
+        return proxy::reject(&base, GovernError::Draining);
+    }
+    let settings = base.gov.settings();
+    let who = match identity::identify(&settings.tenants, req.headers()) {
+        Ok(w) => w,
+        Err(e) => return proxy::reject(&base, e),
+    };
+    let mut resp = match serve_call(&r, &live, endpoint, req, arrived, &who).await {
+        Ok(resp) => resp,
+        Err(e) => proxy::reject(&base, e),
+    };
+    if let Ok(v) = HeaderValue::from_str(&who.tenant) {
+        resp.headers_mut().insert("x-envelope-tenant", v);
+    }
+    resp
+}
+
+async fn serve_call(
+    r: &Arc<Router>,
+    live: &Arc<Live>,
+    endpoint: Endpoint,
+    req: Request,
+    arrived: Instant,
+    who: &Identity,
+) -> Result<Response, GovernError> {
+    let base = live.tiers[0].upstreams[0].app.clone();
+    let settings = base.gov.settings();
+    let inc = proxy::read_request(&settings, endpoint, req, arrived, who.class).await?;
+    let h = &inc.parts.headers;
+    let feature = named(h, FEATURE_HEADER)?;
+    let feature = {
+        let mut b = r.book.lock().unwrap_or_else(|e| e.into_inner());
+        b.feature_label(feature.as_deref().unwrap_or(NO_FEATURE))
+    };
+    let conversation = named(h, CONVERSATION_HEADER)?;
+    let mut signals = body_signals(&inc.parsed.body);
+    signals.prompt_tokens = proxy::count(&base, &settings, &inc.parsed)
+        .await?
+        .0
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    signals.max_tokens = inc.parsed.max_tokens;
+    signals.hint = named(h, HINT_HEADER)?;
+    signals.feature = Some(feature.clone());
+    signals.escalated_before = conversation
+        .as_ref()
+        .is_some_and(|c| r.escalated.contains_key(c));
+    let route = route(&live.file, &signals);
+    r.metrics
+        .routes
+        .get_or_create(&labels(&[
+            ("tier", &live.tiers[route.tier].name),
+            ("reason", &route.reason),
+        ]))
+        .inc();
+    let expect = Expect::of(&inc.parsed.body, truthy(h, NO_TRUNCATION_HEADER));
+    let buffered = !inc.parsed.stream || live.file.escalation.streams == StreamMode::Buffer;
+    let marked = truthy(h, CACHEABLE_HEADER);
+    let call = Call {
+        buffered,
+        expect,
+        route,
+        conversation,
+        tag: Tag {
+            feature,
+            tenant: who.tenant.clone(),
+        },
+        who: who.clone(),
+        inc,
+    };
+    let start = call.route.tier;
+    // The cache first: a hit takes no room on any upstream.
+    let cache = r
+        .cache()
+        .filter(|_| call.buffered && cacheable(&call.inc.parsed.body, marked));
+    let key = cache.as_ref().map(|_| Key {
+        tenant: call.who.tenant.clone(),
+        tier: live.tiers[start].name.clone(),
+        model: live.tiers[start].upstreams[0].model_for(&call.inc.parsed),
+        request: call.inc.bytes.clone(),
+    });
+    if let (Some(c), Some(k)) = (&cache, &key) {
+        if let Some(hit) = c.get(k) {
+            r.metrics
+                .cache
+                .get_or_create(&labels(&[("result", "hit")]))
+                .inc();
+            return Ok(cached_answer(r, live, &call, hit));
+        }
+        r.metrics
+            .cache
+            .get_or_create(&labels(&[("result", "miss")]))
+            .inc();
+    }
+    let (tier, up, placed) = match r.placement(live, &call, start).await {
+        Ok(x) => x,
+        Err(e) => {
+            r.book_refusal(live, start, &call.tag);
+            return Err(e);
+        }
+    };
+    let fell_back_from = (tier != start).then_some(start);
+    if let Some(f) = fell_back_from {
+        r.book_fallback(live, f, tier);
+    }
+    let mut story = Story {
+        start,
+        reason: call.route.reason.clone(),
+        fell_back_from,
+        escalated: None,
+        escalation_failed: None,
+        cache: if cache.is_some() { "miss" } else { "off" },
+        cost: 0.0,
+        stream: call.inc.parsed.stream,
+    };
+    if !call.buffered {
+        return stream_through(r, live, &call, tier, up, placed, &mut story).await;
+    }
+    let first = r.attempt(live, &call, tier, &up, placed).await;
+    story.cost += first.as_ref().map_or(0.0, |w| w.cost);
+    let failed = r.failed(live, &call, &first);
+    let up_one = tier + 1;
+    let outcome = match failed {
+        Some(check) if !call.route.pinned && up_one < live.tiers.len() => {
+            r.book_escalation(live, tier, &call.tag, check);
+            if let Some(c) = &call.conversation {
+                r.escalated.insert(c.clone(), ());
+            }
+            let second = match r.placement_up(live, &call, up_one).await {
+                Ok((up2, p2)) => r.attempt(live, &call, up_one, &up2, p2).await,
+                Err(e) => Err(e),
+            };
+            match second {
+                Ok(w) => {
+                    story.cost += w.cost;
+                    story.escalated = Some((check, tier));
+                    Ok(w)
+                }
+                Err(e) => match (live.file.escalation.out_of_time, first) {
+                    (OutOfTime::LowerAnswer, Ok(w)) => {
+                        story.escalation_failed = Some(e.reason().to_string());
+                        Ok(w)
+                    }
+                    _ => Err(e),
+                },
+            }
+        }
+        _ => first,
+    };
+    let w = match outcome {
+        Ok(w) => w,
+        Err(e) => {
+            r.book_call(
+                live,
+                start,
+                &call.tag,
+                Outcome::Error,
+                0.0,
+                &story,
+                e.status().as_u16(),
+            );
+            return Err(e);
+        }
+    };
+    let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
+    let outcome = if story.escalated.is_some() {
+        Outcome::Escalated
+    } else {
+        Outcome::Ok
+    };
+    r.book_call(
+        live,
+        w.tier,
+        &call.tag,
+        outcome,
+        ms,
+        &story,
+        w.status.as_u16(),
+    );
+    if let (Some(c), Some(k)) = (&cache, key) {
+        if w.status.is_success() && story.escalation_failed.is_none() {
+            let content_type = w
+                .headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/json")
+                .to_string();
+            // Under the starting tier, with the tier that answered: a
+            // repeat is answered as the first one finally was.
+            c.put(
+                k,
+                Cached {
+                    content_type,
+                    body: w.body.clone(),
+                    tier: live.tiers[w.tier].name.clone(),
+                },
+            );
+        }
+    }
+    if w.status.is_success()
+        && failed.is_none()
+        && w.tier + 1 < live.tiers.len()
+        && !call.route.pinned
+    {
+        if let Some(a) = &w.answer {
+            super::shadow::maybe(
+                r,
+                live,
+                &call.inc,
+                &call.who,
+                &call.tag,
+                &story.reason,
+                &call.expect,
+                w.tier,
+                a,
+            );
+        }
+    }
+    Ok(respond(live, w, &story))
+}
+
+impl Router {
+    /// Placement for an escalated attempt: the tier given, waiting within
+    /// the call's deadline.
+    async fn placement_up(
+        &self,
+        live: &Live,
+        call: &Call,
+        tier: usize,
+    ) -> Result<(Arc<Upstream>, Placed), GovernError> {
+        if Instant::now() >= call.inc.deadline {
+            return Err(GovernError::Overloaded {
+                reason: crate::error::OverloadReason::DeadlineUnmeetable,
+                retry_after_s: 1,
+                message: "no time left in the request's deadline to escalate".into(),
+            });
+        }
+        if let Some(x) = self.place_on(live, tier, call, Wait::No).await? {
+            return Ok(x);
+        }
+        self.place_on(live, tier, call, Wait::UntilDeadline)
+            .await?
+            .ok_or_else(|| GovernError::invalid(None, "no upstream on the tier up".to_string()))
+    }
+}
+
+fn cached_answer(r: &Router, live: &Live, call: &Call, hit: Cached) -> Response {
+    let tier = live.file.index(&hit.tier).unwrap_or(call.route.tier);
+    let story = Story {
+        start: call.route.tier,
+        reason: call.route.reason.clone(),
+        fell_back_from: None,
+        escalated: None,
+        escalation_failed: None,
+        cache: "hit",
+        cost: 0.0,
+        stream: false,
+    };
+    let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
+    r.book_call(live, tier, &call.tag, Outcome::Cached, ms, &story, 200);
+    let mut h = HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(&hit.content_type) {
+        h.insert("content-type", v);
+    }
+    let w = Whole {
+        tier,
+        status: StatusCode::OK,
+        headers: h,
+        body: hit.body,
+        answer: None,
+        placed_headers: vec![],
+        cost: 0.0,
+    };
+    respond(live, w, &story)
+}
+
+/// A stream passed through as it comes (no escalation once bytes flow; an
+/// upstream that cannot be reached is still retried a tier up).
+async fn stream_through(
+    r: &Arc<Router>,
+    live: &Arc<Live>,
+    call: &Call,
+    tier: usize,
+    up: Arc<Upstream>,
+    placed: Placed,
+    story: &mut Story,
+) -> Result<Response, GovernError> {
+    let (mut tier, mut up, mut placed) = (tier, up, placed);
+    let mut escalated = false;
+    let resp = loop {
+        let settings = up.app.gov.settings();
+        let (bytes, parsed) = up.body_for(&call.inc.parsed, &call.inc.bytes);
+        match proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await {
+            Ok(resp) => break resp,
+            Err(e) => {
+                let may = !escalated
+                    && !call.route.pinned
+                    && tier + 1 < live.tiers.len()
+                    && live.file.escalation.on.contains(&Check::UpstreamError)
+                    && upstream_failed(&e);
+                let u = Usage {
+                    prompt: placed.plan.prompt_tokens,
+                    ..Usage::default()
+                };
+                story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
+                if !may {
+                    r.book_call(
+                        live,
+                        story.start,
+                        &call.tag,
+                        Outcome::Error,
+                        0.0,
+                        story,
+                        e.status().as_u16(),
+                    );
+                    return Err(e);
+                }
+                drop(placed);
+                r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
+                story.escalated = Some((Check::UpstreamError, tier));
+                escalated = true;
+                tier += 1;
+                let (u2, p2) = r.placement_up(live, call, tier).await?;
+                up = u2;
+                placed = p2;
+            }
+        }
+    };
+    let mut extra = proxy::placed_headers(&placed);
+    extra.push(("x-envelope-tier", live.tiers[tier].name.clone()));
+    extra.push(("x-envelope-route-reason", story.reason.clone()));
+    extra.push(("x-envelope-tiers-version", live.file.version.clone()));
+    extra.push(("x-envelope-cache", "off".into()));
+    if let Some(f) = story.fell_back_from {
+        extra.push(("x-envelope-fallback-from", live.tiers[f].name.clone()));
+    }
+    if let Some((c, from)) = story.escalated {
+        extra.push(("x-envelope-escalated", c.label().into()));
+        extra.push(("x-envelope-escalated-from", live.tiers[from].name.clone()));
+    }
+    let prompt = placed.plan.prompt_tokens;
+    let (r2, live2, up2) = (r.clone(), live.clone(), up.clone());
+    let tag = call.tag.clone();
+    let mut story = story.clone();
+    let arrived = call.inc.arrived;
+    let on_end: proxy::OnEnd = Box::new(move |end: proxy::StreamEnd| {
+        let u = Usage {
+            prompt: end.prompt_tokens.unwrap_or(prompt),
+            completion: end
+                .completion_tokens
+                .unwrap_or_else(|| end.events.saturating_sub(1)),
+            cached: 0,
+        };
+        story.cost += r2.book_attempt(&live2, tier, &tag, &up2.price, u);
+        let outcome = match (end.whole, story.escalated) {
+            (false, _) => Outcome::Error,
+            (true, Some(_)) => Outcome::Escalated,
+            (true, None) => Outcome::Ok,
+        };
+        let ms = arrived.elapsed().as_secs_f64() * 1000.0;
+        r2.book_call(&live2, tier, &tag, outcome, ms, &story, 200);
+    });
+    let sent_at = Instant::now();
+    let end = call.inc.end;
+    Ok(proxy::stream_back_with(
+        &up.app,
+        resp,
+        Some(placed.permit),
+        Some(sent_at),
+        end,
+        extra,
+        Some(on_end),
+    )
+    .into_response())
+}

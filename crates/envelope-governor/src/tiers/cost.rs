@@ -1,0 +1,288 @@
+//! Cost attribution: a call's cost on a tier under the versioned price
+//! contract (per million tokens of each kind, or per GPU-second from the
+//! profile's throughput at the safe point), the book of calls, tokens,
+//! cost, escalations and latency per feature and tier, and the features
+//! whose mean cost per call is over their allowance.
+
+use super::check::Usage;
+use super::config::{FeatureSpec, PriceSpec};
+use envelope_profile::Profile;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// A tier's price, ready to apply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Price {
+    Free,
+    /// Cost units per million tokens.
+    Tokens {
+        input: f64,
+        cached_input: f64,
+        output: f64,
+    },
+    /// Cost units per GPU-second; the node serves `tok_per_s` tokens a
+    /// second at its safe point.
+    GpuSecond {
+        price: f64,
+        tok_per_s: f64,
+    },
+}
+
+/// The node's tokens per second at its safe point: the mean over the
+/// selected configuration's buckets of the total throughput measured at
+/// the largest feasible concurrency.
+pub fn safe_point_tok_per_s(p: &Profile) -> Option<f64> {
+    let c = p.configs.iter().find(|c| c.name == p.selected)?;
+    let rates: Vec<f64> = c
+        .buckets
+        .iter()
+        .filter_map(|b| b.at_feasible.as_ref())
+        .map(|s| s.total_tok_per_s)
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64)
+}
+
+impl Price {
+    /// The price of `spec` for an upstream with `profile`.
+    ///
+    /// # Errors
+    /// A GPU-second price for a profile that measured no throughput.
+    pub fn new(spec: Option<&PriceSpec>, profile: &Profile) -> Result<Price, String> {
+        let Some(s) = spec else {
+            return Ok(Price::Free);
+        };
+        if let Some(price) = s.gpu_second {
+            let tok_per_s = safe_point_tok_per_s(profile).ok_or_else(|| {
+                format!(
+                    "gpu_second: the profile {} has no throughput measured at its safe point",
+                    profile.selected
+                )
+            })?;
+            return Ok(Price::GpuSecond { price, tok_per_s });
+        }
+        let input = s.input_per_mtok.unwrap_or(0.0);
+        Ok(Price::Tokens {
+            input,
+            cached_input: s.cached_input_per_mtok.unwrap_or(input),
+            output: s.output_per_mtok.unwrap_or(0.0),
+        })
+    }
+
+    /// The cost of one attempt that used `u`.
+    pub fn cost(&self, u: Usage) -> f64 {
+        match *self {
+            Price::Free => 0.0,
+            Price::Tokens {
+                input,
+                cached_input,
+                output,
+            } => {
+                let cached = u.cached.min(u.prompt);
+                ((u.prompt - cached) as f64 * input
+                    + cached as f64 * cached_input
+                    + u.completion as f64 * output)
+                    / 1e6
+            }
+            Price::GpuSecond { price, tok_per_s } => {
+                (u.prompt + u.completion) as f64 / tok_per_s * price
+            }
+        }
+    }
+}
+
+/// One row of the book: what a feature spent on a tier.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Row {
+    /// Calls answered from this tier (an escalated call counts on the tier
+    /// that gave the final answer).
+    pub calls: u64,
+    /// Attempts made on this tier (including those escalated away).
+    pub attempts: u64,
+    pub escalations: u64,
+    pub fallbacks: u64,
+    pub cache_hits: u64,
+    pub refusals: u64,
+    /// Shadow calls made on this tier (calibration spend).
+    pub shadows: u64,
+    pub input_tokens: u64,
+    pub cached_input_tokens: u64,
+    pub output_tokens: u64,
+    pub cost: f64,
+    pub latency_ms_sum: f64,
+}
+
+/// Calls, tokens and cost per (feature, tier).
+#[derive(Debug, Default)]
+pub struct Book {
+    rows: BTreeMap<(String, String), Row>,
+    /// Distinct features seen; past the bound, new ones book as `_other`.
+    features: usize,
+}
+
+/// Features tracked by name at most (labels are bounded).
+pub const MAX_FEATURES: usize = 256;
+/// The feature of calls without `x-envelope-feature`.
+pub const NO_FEATURE: &str = "_none";
+/// Features past [`MAX_FEATURES`].
+pub const OTHER_FEATURE: &str = "_other";
+
+impl Book {
+    /// The label `feature` is booked under.
+    pub fn feature_label(&mut self, feature: &str) -> String {
+        if self.rows.keys().any(|(f, _)| f == feature) {
+            return feature.to_string();
+        }
+        if self.features >= MAX_FEATURES {
+            return OTHER_FEATURE.to_string();
+        }
+        self.features += 1;
+        feature.to_string()
+    }
+
+    pub fn row(&mut self, feature: &str, tier: &str) -> &mut Row {
+        self.rows
+            .entry((feature.to_string(), tier.to_string()))
+            .or_default()
+    }
+
+    pub fn rows(&self) -> impl Iterator<Item = (&(String, String), &Row)> {
+        self.rows.iter()
+    }
+
+    /// Mean cost per answered call of each feature, all tiers together.
+    pub fn cost_per_call(&self) -> BTreeMap<String, f64> {
+        let mut sums: BTreeMap<String, (f64, u64)> = BTreeMap::new();
+        for ((f, _), r) in &self.rows {
+            let e = sums.entry(f.clone()).or_default();
+            e.0 += r.cost;
+            e.1 += r.calls;
+        }
+        sums.into_iter()
+            .filter(|(_, (_, n))| *n > 0)
+            .map(|(f, (c, n))| (f, c / n as f64))
+            .collect()
+    }
+
+    /// Features whose mean cost per call is over their allowance:
+    /// (feature, cost per call, allowed).
+    pub fn over_budget(&self, allowed: &BTreeMap<String, FeatureSpec>) -> Vec<(String, f64, f64)> {
+        self.cost_per_call()
+            .into_iter()
+            .filter_map(|(f, c)| {
+                let a = allowed.get(&f)?.max_cost_per_call;
+                (c > a).then_some((f, c, a))
+            })
+            .collect()
+    }
+
+    /// The book as CSV, a row per feature and tier.
+    pub fn csv(&self) -> String {
+        let mut out = String::from(
+            "feature,tier,calls,attempts,escalations,fallbacks,cache_hits,refusals,shadows,input_tokens,cached_input_tokens,output_tokens,cost,mean_latency_ms\n",
+        );
+        for ((f, t), r) in &self.rows {
+            let mean = if r.calls > 0 {
+                r.latency_ms_sum / r.calls as f64
+            } else {
+                0.0
+            };
+            out.push_str(&format!(
+                "{f},{t},{},{},{},{},{},{},{},{},{},{},{:.9},{mean:.1}\n",
+                r.calls,
+                r.attempts,
+                r.escalations,
+                r.fallbacks,
+                r.cache_hits,
+                r.refusals,
+                r.shadows,
+                r.input_tokens,
+                r.cached_input_tokens,
+                r.output_tokens,
+                r.cost
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_prices_charge_each_kind() {
+        let p = Price::Tokens {
+            input: 1.0,
+            cached_input: 0.25,
+            output: 4.0,
+        };
+        let u = Usage {
+            prompt: 1_000_000,
+            completion: 500_000,
+            cached: 400_000,
+        };
+        // 600k at 1.0 + 400k at 0.25 + 500k at 4.0, per million.
+        assert!((p.cost(u) - (0.6 + 0.1 + 2.0)).abs() < 1e-12);
+        let g = Price::GpuSecond {
+            price: 2.0,
+            tok_per_s: 100.0,
+        };
+        assert!(
+            (g.cost(Usage {
+                prompt: 30,
+                completion: 20,
+                cached: 0
+            }) - 1.0)
+                .abs()
+                < 1e-12
+        );
+        assert_eq!(Price::Free.cost(u), 0.0);
+    }
+
+    #[test]
+    fn features_over_their_allowance_are_listed() {
+        let mut b = Book::default();
+        for (f, t, calls, cost) in [
+            ("sum", "small", 4, 0.4),
+            ("sum", "large", 1, 0.6),
+            ("plan", "large", 2, 0.1),
+        ] {
+            let r = b.row(f, t);
+            r.calls += calls;
+            r.cost += cost;
+        }
+        let per = b.cost_per_call();
+        assert!((per["sum"] - 0.2).abs() < 1e-12);
+        let allowed: BTreeMap<String, FeatureSpec> = [
+            (
+                "sum".to_string(),
+                FeatureSpec {
+                    max_cost_per_call: 0.15,
+                },
+            ),
+            (
+                "plan".to_string(),
+                FeatureSpec {
+                    max_cost_per_call: 0.15,
+                },
+            ),
+        ]
+        .into();
+        let over = b.over_budget(&allowed);
+        assert_eq!(over.len(), 1);
+        assert_eq!(over[0].0, "sum");
+        assert!(b.csv().lines().count() == 4);
+    }
+
+    #[test]
+    fn feature_labels_are_bounded() {
+        let mut b = Book::default();
+        for i in 0..MAX_FEATURES {
+            let l = b.feature_label(&format!("f{i}"));
+            b.row(&l, "t");
+        }
+        assert_eq!(b.feature_label("f0"), "f0");
+        assert_eq!(b.feature_label("new"), OTHER_FEATURE);
+    }
+}

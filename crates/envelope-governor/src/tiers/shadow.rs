@@ -1,0 +1,126 @@
+//! Shadow calibration: a sample of the calls a cheaper tier answered is
+//! sent again, off the request path, to the next tier up, only when that
+//! tier has room now (a shadow never queues and never delays a real call).
+//! Whether the two answers agree (the same text, equal JSON, or the same
+//! tool call, as the call asked) is counted per tier, feature and the rule
+//! that routed the call, so a threshold moves in measured steps.
+
+use super::book::Tag;
+use super::check::{read_answer, Agreement, Answer, Expect, Usage};
+use super::live::{Agreement as Tally, Live, Router};
+use super::metrics::labels;
+use crate::identity::Identity;
+use crate::proxy::{self, Incoming, Wait};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Maybe sends a shadow of the call `inc` that tier `tier` answered with
+/// `answer`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn maybe(
+    r: &Arc<Router>,
+    live: &Arc<Live>,
+    inc: &Incoming,
+    who: &Identity,
+    tag: &Tag,
+    reason: &str,
+    expect: &Expect,
+    tier: usize,
+    answer: &Answer,
+) {
+    let sample = live.file.shadow.sample;
+    if sample <= 0.0 || tier + 1 >= live.tiers.len() || rand::random::<f64>() >= sample {
+        return;
+    }
+    let key = (
+        live.tiers[tier].name.clone(),
+        tag.feature.clone(),
+        reason.to_string(),
+    );
+    let Ok(slot) = r.shadow_slots.clone().try_acquire_owned() else {
+        tally(r, key, None);
+        return;
+    };
+    let (r, live) = (r.clone(), live.clone());
+    let (inc, who, tag) = (inc.detached(), who.clone(), tag.clone());
+    let (expect, answer) = (expect.clone(), answer.clone());
+    tokio::spawn(async move {
+        let _slot = slot;
+        let agreed = shadow(&r, &live, &inc, &who, &tag, &expect, tier + 1, &answer).await;
+        tally(&r, key, agreed);
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn shadow(
+    r: &Router,
+    live: &Live,
+    inc: &Incoming,
+    who: &Identity,
+    tag: &Tag,
+    expect: &Expect,
+    up_tier: usize,
+    answer: &Answer,
+) -> Option<bool> {
+    for up in live.by_room(up_tier) {
+        let settings = up.app.gov.settings();
+        let placed = match proxy::place(&up.app, &settings, inc, who, Wait::No, inc.deadline).await
+        {
+            Ok(Some(p)) => p,
+            _ => continue,
+        };
+        let (bytes, parsed) = up.body_for(&inc.parsed, &inc.bytes);
+        let resp = proxy::send(&up.app, &settings, inc, &bytes, &parsed, &placed)
+            .await
+            .ok()?;
+        let sse = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let ok = resp.status().is_success();
+        let left = inc.end.saturating_duration_since(Instant::now());
+        let body = tokio::time::timeout(left, resp.bytes()).await.ok()?.ok()?;
+        let theirs = read_answer(&body, sse);
+        let u = theirs.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
+            prompt: placed.plan.prompt_tokens,
+            ..Usage::default()
+        });
+        r.book_attempt(live, up_tier, tag, &up.price, u);
+        r.book_shadow(live, up_tier, tag);
+        drop(placed);
+        if !ok {
+            return None;
+        }
+        return Some(Agreement::of(expect).agree(answer, &theirs?));
+    }
+    None
+}
+
+/// Counts one comparison (`Some(agreed)`) or a skipped shadow (`None`).
+fn tally(r: &Router, key: (String, String, String), agreed: Option<bool>) {
+    let (tier, feature, reason) = &key;
+    let label = match agreed {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "skipped",
+    };
+    r.metrics
+        .shadow
+        .get_or_create(&labels(&[
+            ("tier", tier),
+            ("feature", feature),
+            ("reason", reason),
+            ("agreed", label),
+        ]))
+        .inc();
+    let mut s = r.shadow.lock().unwrap_or_else(|e| e.into_inner());
+    let t: &mut Tally = s.entry(key).or_default();
+    match agreed {
+        Some(a) => {
+            t.compared += 1;
+            t.agreed += u64::from(a);
+        }
+        None => t.skipped += 1,
+    }
+}

@@ -1,0 +1,460 @@
+//! Starting the governor with model tiers: each upstream checked against
+//! its profile and given its own governor, the HTTP app, hot reload of the
+//! tiers file (SIGHUP, a change of it or of a profile, `POST
+//! /admin/tiers/reload`) that keeps the last good version when the new one
+//! is invalid, rollback to the version before (`POST
+//! /admin/tiers/rollback`), and the drain at SIGTERM.
+
+use super::call;
+use super::config::{PriceSpec, TiersFile, UpstreamSpec};
+use super::cost::Price;
+use super::live::{Live, Router, Tasks, Tier, Upstream};
+use super::metrics::{labels, merge};
+use crate::config::GovernArgs;
+use crate::error::{GovernError, StartError};
+use crate::request::Endpoint;
+use crate::{AppState, Governor};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use envelope_profile::Profile;
+use serde_json::json;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+/// Runs the governor over the tiers in `path` until SIGTERM and its drain.
+///
+/// # Errors
+/// An invalid tiers file, profile or setting (named), a refused
+/// fingerprint mismatch, an address it cannot bind.
+pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(run_async(args, path))
+}
+
+fn read_file(path: &Path) -> Result<(TiersFile, String), StartError> {
+    let text = crate::config::read("--tiers", path)?;
+    let file = TiersFile::from_toml(&text, path).map_err(StartError::Invalid)?;
+    Ok((file, text))
+}
+
+fn read_profile(spec: &UpstreamSpec) -> Result<Profile, StartError> {
+    let shown = spec.profile.display().to_string();
+    let text = crate::config::read("profile", &spec.profile)?;
+    Ok(Profile::from_json(&text, &shown)?)
+}
+
+/// An upstream for `spec`: the running one when `reuse` serves the same
+/// spec (its governor takes the profile as it is now), else a new one.
+async fn upstream(
+    args: &GovernArgs,
+    field: &str,
+    spec: &UpstreamSpec,
+    price: Option<&PriceSpec>,
+    reuse: Option<&Arc<Upstream>>,
+) -> Result<(Arc<Upstream>, Option<crate::Settings>), StartError> {
+    let named = |e: StartError| StartError::Invalid(format!("{field}: {e}"));
+    let profile = read_profile(spec).map_err(named)?;
+    let price = Price::new(price, &profile)
+        .map_err(|e| StartError::Invalid(format!("{field} price: {e}")))?;
+    if let Some(u) = reuse {
+        let settings = args
+            .settings(&spec.profile, u.conservative)
+            .map_err(named)?;
+        let up = Upstream {
+            spec: spec.clone(),
+            app: u.app.clone(),
+            price,
+            conservative: u.conservative,
+            tasks: u.tasks.clone(),
+        };
+        return Ok((Arc::new(up), Some(settings)));
+    }
+    let url = spec.url.trim_end_matches('/').to_string();
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| StartError::Invalid(format!("the upstream client: {e}")))?;
+    let shown = spec.profile.display().to_string();
+    let conservative =
+        crate::upstream::check_profile(args, &client, &url, &profile, &shown).await?;
+    let settings = args.settings(&spec.profile, conservative).map_err(named)?;
+    let counter =
+        crate::upstream::pick_counter(args, spec.tokenizer.as_deref(), &client, &url).await?;
+    tracing::info!(upstream = %url, profile = %settings.profile_id, counter = ?counter, "{field}");
+    let gov = Governor::new(settings);
+    let mut tasks = vec![];
+    {
+        let gov = gov.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                gov.tick_latency();
+            }
+        }));
+    }
+    if args.guard.unwrap_or(true) {
+        tasks.push(crate::live::spawn_guard(
+            gov.clone(),
+            format!("{url}/metrics"),
+            Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+        ));
+    }
+    let up = Upstream {
+        spec: spec.clone(),
+        app: Arc::new(AppState::new(gov, &url, counter)),
+        price,
+        conservative,
+        tasks: Arc::new(Tasks(tasks)),
+    };
+    Ok((Arc::new(up), None))
+}
+
+/// `file` running: every upstream built or reused from `current`. Nothing
+/// changes in force until all of it is valid.
+async fn build(
+    args: &GovernArgs,
+    (file, text): (TiersFile, String),
+    current: Option<&Live>,
+) -> Result<Live, StartError> {
+    let mut tiers = vec![];
+    let mut reloads = vec![];
+    for name in &file.order {
+        let spec = &file.tiers[name];
+        let mut ups = vec![];
+        for (i, u) in spec.upstreams.iter().enumerate() {
+            let field = format!("tiers.{name}.upstreams[{i}]");
+            let reuse =
+                current.and_then(|c| c.all_upstreams().map(|(_, _, x)| x).find(|x| x.spec == *u));
+            let (up, settings) = upstream(args, &field, u, spec.price.as_ref(), reuse).await?;
+            if let Some(s) = settings {
+                reloads.push((field, up.clone(), s));
+            }
+            ups.push(up);
+        }
+        tiers.push(Tier {
+            name: name.clone(),
+            upstreams: ups,
+            latency_budget_ms: spec.latency_budget_ms,
+        });
+    }
+    for (field, up, s) in reloads {
+        up.app
+            .gov
+            .reload(s)
+            .map_err(|e| StartError::Invalid(format!("{field}: {e}")))?;
+    }
+    Ok(Live { file, text, tiers })
+}
+
+/// Reloads the tiers file; the version in force stays when it is invalid.
+async fn reload(r: &Arc<Router>) -> Result<String, String> {
+    let result = async {
+        let read = read_file(&r.path)?;
+        let live = build(&r.args, read, Some(&r.live())).await?;
+        let v = live.file.version.clone();
+        r.swap(live);
+        Ok::<_, StartError>(v)
+    }
+    .await
+    .map_err(|e| e.to_string());
+    let outcome = if result.is_ok() { "ok" } else { "rejected" };
+    r.metrics
+        .reloads
+        .get_or_create(&labels(&[("outcome", outcome)]))
+        .inc();
+    match &result {
+        Ok(v) => tracing::info!("tiers reloaded: version {v}"),
+        Err(e) => tracing::error!("tiers reload REJECTED, keeping the last good version: {e}"),
+    }
+    result
+}
+
+fn base(r: &Router) -> Arc<AppState> {
+    r.live().tiers[0].upstreams[0].app.clone()
+}
+
+fn admin_refusal(r: &Router, req: &Request, post: bool) -> Option<Response> {
+    let b = base(r);
+    if !crate::proxy::admin_allowed(&b, req) {
+        return Some(GovernError::Forbidden(crate::proxy::ADMIN_DENIED.into()).into_response());
+    }
+    if post && crate::proxy::from_a_browser(req.headers()) {
+        return Some(
+            GovernError::Forbidden(
+                "admin POSTs are refused from browsers (Origin or Sec-Fetch-* present)".into(),
+            )
+            .into_response(),
+        );
+    }
+    None
+}
+
+async fn metrics(State(r): State<Arc<Router>>) -> Response {
+    let live = r.live();
+    let mut parts = vec![(vec![], r.metrics.render())];
+    for (t, i, u) in live.all_upstreams() {
+        parts.push((
+            labels(&[("tier", &t.name), ("upstream", &i.to_string())]),
+            u.app.gov.metrics.render(),
+        ));
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        merge(&parts),
+    )
+        .into_response()
+}
+
+async fn models(State(r): State<Arc<Router>>) -> Response {
+    let live = r.live();
+    let data: Vec<_> = live
+        .tiers
+        .iter()
+        .map(|t| json!({"id": t.name, "object": "model", "owned_by": "envelope-tiers"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+fn state_json(r: &Router) -> serde_json::Value {
+    let live = r.live();
+    let tiers: Vec<_> = live
+        .tiers
+        .iter()
+        .map(|t| {
+            let ups: Vec<_> = t
+                .upstreams
+                .iter()
+                .map(|u| {
+                    json!({"url": u.spec.url, "model": u.spec.model,
+                           "profile": u.spec.profile.display().to_string(),
+                           "conservative": u.conservative,
+                           "fullness": u.app.gov.fullness(),
+                           "state": u.app.gov.state_json()})
+                })
+                .collect();
+            json!({"name": t.name, "latency_budget_ms": t.latency_budget_ms, "upstreams": ups})
+        })
+        .collect();
+    let book = r.book.lock().unwrap_or_else(|e| e.into_inner());
+    let costs: Vec<_> = book
+        .rows()
+        .map(|((f, t), row)| json!({"feature": f, "tier": t, "row": row}))
+        .collect();
+    let over: Vec<_> = book
+        .over_budget(&live.file.features)
+        .into_iter()
+        .map(|(f, c, a)| json!({"feature": f, "cost_per_call": c, "allowed": a}))
+        .collect();
+    let per_call = book.cost_per_call();
+    drop(book);
+    let shadow: Vec<_> = r
+        .shadow
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|((t, f, why), a)| {
+            let rate = (a.compared > 0).then(|| a.agreed as f64 / a.compared as f64);
+            json!({"tier": t, "feature": f, "reason": why, "compared": a.compared,
+                   "agreed": a.agreed, "agreement": rate, "skipped": a.skipped})
+        })
+        .collect();
+    json!({
+        "version": live.file.version,
+        "prices_version": live.file.prices_version,
+        "restorable": r.history(),
+        "tiers": tiers,
+        "costs": costs,
+        "cost_per_call": per_call,
+        "over_budget": over,
+        "shadow": shadow,
+        "cache": {"enabled": r.cache().is_some(), "entries": r.cache().map(|c| c.entries())},
+    })
+}
+
+async fn admin_state(State(r): State<Arc<Router>>, req: Request) -> Response {
+    if let Some(no) = admin_refusal(&r, &req, false) {
+        return no;
+    }
+    axum::Json(state_json(&r)).into_response()
+}
+
+async fn admin_costs(State(r): State<Arc<Router>>, req: Request) -> Response {
+    if let Some(no) = admin_refusal(&r, &req, false) {
+        return no;
+    }
+    let csv = r.book.lock().unwrap_or_else(|e| e.into_inner()).csv();
+    ([(axum::http::header::CONTENT_TYPE, "text/csv")], csv).into_response()
+}
+
+fn refused_change(message: String, code: &str) -> Response {
+    (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        axum::Json(
+            json!({"error": {"message": message, "type": "invalid_request_error",
+                                    "param": null, "code": code}}),
+        ),
+    )
+        .into_response()
+}
+
+async fn admin_reload(State(r): State<Arc<Router>>, req: Request) -> Response {
+    if let Some(no) = admin_refusal(&r, &req, true) {
+        return no;
+    }
+    match reload(&r).await {
+        Ok(v) => axum::Json(json!({"reloaded": true, "version": v})).into_response(),
+        Err(e) => refused_change(e, "invalid_tiers"),
+    }
+}
+
+async fn admin_rollback(State(r): State<Arc<Router>>, req: Request) -> Response {
+    if let Some(no) = admin_refusal(&r, &req, true) {
+        return no;
+    }
+    let result = r.rollback();
+    let outcome = if result.is_ok() {
+        "rollback"
+    } else {
+        "rollback_refused"
+    };
+    r.metrics
+        .reloads
+        .get_or_create(&labels(&[("outcome", outcome)]))
+        .inc();
+    match result {
+        Ok(v) => {
+            tracing::warn!("tiers rolled back to version {v}");
+            axum::Json(json!({"rolled_back": true, "version": v})).into_response()
+        }
+        Err(e) => refused_change(e, "nothing_to_restore"),
+    }
+}
+
+async fn not_found(State(r): State<Arc<Router>>, req: Request) -> Response {
+    let e = GovernError::NotFound(format!(
+        "{} {}: with model tiers the governor answers the two completion endpoints, /v1/models, /metrics and /admin/tiers",
+        req.method(),
+        req.uri().path()
+    ));
+    crate::proxy::reject(&base(&r), e)
+}
+
+pub(super) fn app(r: Arc<Router>) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/v1/completions",
+            post(|s: State<Arc<Router>>, q: Request| call::governed(s, Endpoint::Completions, q)),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(|s: State<Arc<Router>>, q: Request| call::governed(s, Endpoint::Chat, q)),
+        )
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/admin/tiers", get(admin_state))
+        .route("/admin/tiers/costs", get(admin_costs))
+        .route("/admin/tiers/reload", post(admin_reload))
+        .route("/admin/tiers/rollback", post(admin_rollback))
+        .fallback(not_found)
+        .with_state(r)
+}
+
+fn mtime(p: &Path) -> Option<SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// The files whose change reloads: the tiers file, every profile, the
+/// tenants file.
+fn watched(r: &Router) -> Vec<PathBuf> {
+    let live = r.live();
+    std::iter::once(r.path.clone())
+        .chain(live.all_upstreams().map(|(_, _, u)| u.spec.profile.clone()))
+        .chain(r.args.tenants.clone())
+        .collect()
+}
+
+async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
+    let read = read_file(&path)?;
+    let listen = args
+        .listen
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1:9000".into());
+    let live = build(&args, read, None).await?;
+    for t in &live.tiers {
+        let ups: Vec<String> = t
+            .upstreams
+            .iter()
+            .map(|u| format!("{} ({})", u.spec.url, u.app.gov.settings().profile_id))
+            .collect();
+        tracing::info!("tier {}: {}", t.name, ups.join(", "));
+    }
+    let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
+    let router = Router::new(path, args, live);
+    tracing::info!("model tiers: version {}", router.live().file.version);
+    {
+        let r = router.clone();
+        tokio::spawn(async move {
+            let stamp = |r: &Router| watched(r).iter().map(|p| mtime(p)).collect::<Vec<_>>();
+            let mut last = stamp(&r);
+            let mut hup =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            loop {
+                let tick = tokio::time::sleep(Duration::from_secs(1));
+                let hupped = match hup.as_mut() {
+                    Some(h) => tokio::select! { _ = h.recv() => true, _ = tick => false },
+                    None => {
+                        tick.await;
+                        false
+                    }
+                };
+                let now = stamp(&r);
+                if hupped || now != last {
+                    let _ = reload(&r).await;
+                    last = stamp(&r);
+                }
+            }
+        });
+    }
+    let listener = tokio::net::TcpListener::bind(&listen)
+        .await
+        .map_err(|cause| StartError::Bind {
+            listen: listen.clone(),
+            cause,
+        })?;
+    let addr = listener.local_addr()?;
+    println!("envelope govern listening on http://{addr}");
+    std::io::stdout().flush()?;
+    let s = base(&router).gov.settings();
+    let limits = (
+        s.max_connections,
+        Duration::from_millis(s.header_read_timeout_ms),
+    );
+    let r = router.clone();
+    let shutdown = async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+        r.start_draining();
+        let live = r.live();
+        let drains = live
+            .all_upstreams()
+            .map(|(_, _, u)| u.app.gov.clone())
+            .map(|g| async move { g.drain(drain_timeout).await });
+        futures::future::join_all(drains).await;
+        tracing::info!("drained");
+    };
+    crate::proxy::serve_router(listener, app(router), limits, shutdown).await?;
+    Ok(())
+}
