@@ -1,6 +1,8 @@
 //! `envelope plan`: a workload's demand against a profile's measured supply,
 //! printed with every intermediate value and its unit (or as JSON).
 
+mod tiers;
+
 use anyhow::{Context, Result};
 use clap::Args;
 use envelope_profile::plan::{ClassDemand, ClassSupply, Plan};
@@ -14,8 +16,21 @@ pub struct PlanArgs {
     #[arg(long, env = "ENVELOPE_PLAN_WORKLOAD")]
     pub workload: PathBuf,
     /// A profile written by `envelope sweep` (the supply side).
-    #[arg(long, env = "ENVELOPE_PLAN_PROFILE")]
-    pub profile: PathBuf,
+    #[arg(long, env = "ENVELOPE_PLAN_PROFILE", required_unless_present = "tier")]
+    pub profile: Option<PathBuf>,
+    /// Model tiers: a tier and its profile, `NAME=PROFILE` (repeat per
+    /// tier). Each tier is planned with its own profile for its share of
+    /// the workload's model requests (the classes' `tiers`, else --tier-mix
+    /// or --tier-mix-from).
+    #[arg(long, value_name = "NAME=PROFILE", conflicts_with_all = ["profile", "validate"])]
+    pub tier: Vec<String>,
+    /// Model tiers: requests per call on each tier, `small=0.8,large=0.25`.
+    #[arg(long, value_name = "NAME=SHARE,...", conflicts_with = "tier_mix_from")]
+    pub tier_mix: Option<String>,
+    /// Model tiers: the mix measured by the governor, from its calls log
+    /// (`calls_log` in the tiers file: attempts per call on each tier).
+    #[arg(long, value_name = "CALLS.jsonl")]
+    pub tier_mix_from: Option<PathBuf>,
     /// The profile configuration to plan with (default: the profile's `selected`).
     #[arg(long, env = "ENVELOPE_PLAN_CONFIG")]
     pub config: Option<String>,
@@ -54,8 +69,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     let wtext = std::fs::read_to_string(&args.workload)
         .with_context(|| format!("reading --workload {wpath}"))?;
     let workload = Workload::from_toml(&wtext, &wpath)?;
-    let ppath = args.profile.display().to_string();
-    let ptext = std::fs::read_to_string(&args.profile)
+    if !args.tier.is_empty() {
+        return tiers::run(args, &workload, &wpath);
+    }
+    let Some(profile_path) = &args.profile else {
+        anyhow::bail!("--profile (or --tier) is required");
+    };
+    let ppath = profile_path.display().to_string();
+    let ptext = std::fs::read_to_string(profile_path)
         .with_context(|| format!("reading --profile {ppath}"))?;
     let profile = Profile::from_json(&ptext, &ppath)?;
     let plan = envelope_profile::plan::plan(&workload, &profile, args.config.as_deref())

@@ -207,3 +207,74 @@ headroom = 0.1
     assert!(slots.contains("OPTIMISTIC"), "{slots}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Model tiers: each tier is planned with its own profile for its share of
+/// the requests, from a mix given or measured by the governor's calls log.
+#[test]
+fn plan_sizes_each_tier_for_its_share_of_the_requests() {
+    let tiers = |mix: &[&str]| {
+        let mut args = vec![
+            "--tier".to_string(),
+            format!("small={PROFILE}"),
+            "--tier".to_string(),
+            format!("large={PROFILE}"),
+            "--json".to_string(),
+        ];
+        args.extend(mix.iter().map(|s| s.to_string()));
+        let w = format!(
+            "{}/bench-configs/workloads/cpu-quickstart.toml",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .args(["plan", "--workload", &w])
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let chat = |v: &serde_json::Value, tier: &str| {
+        let t = v["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == tier)
+            .unwrap_or_else(|| panic!("no tier {tier}: {v}"));
+        t["plan"]["demand"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["class"] == "chat")
+            .unwrap()["model_requests_per_min"]
+            .as_f64()
+            .unwrap()
+    };
+    let r = tiers(&["--tier-mix", "small=0.8,large=0.25"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    // 47.25 requests/min: 0.8 of them on small, 0.25 on large (escalations
+    // are attempts on both).
+    assert!((chat(&v, "small") - 37.8).abs() < 1e-9, "{v}");
+    assert!((chat(&v, "large") - 11.8125).abs() < 1e-9, "{v}");
+    // The same mix measured by the governor: 3 of 4 attempts per call on
+    // small, 1 on large.
+    let dir = common::temp_dir("envelope-plan", "tiers");
+    let log = dir.join("calls.jsonl");
+    std::fs::write(
+        &log,
+        [
+            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
+            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
+            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
+            r#"{"tier":"large","start_tier":"large","escalated":null,"outcome":"ok"}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let r = tiers(&["--tier-mix-from", log.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert!((chat(&v, "small") - 47.25 * 0.75).abs() < 1e-9, "{v}");
+    // A tier with a share and no profile is an error that names it.
+    let r = tiers(&["--tier-mix", "small=0.8,medium=0.2"]);
+    assert!(!r.status.success());
+    assert!(String::from_utf8_lossy(&r.stderr).contains("tier `medium`"));
+}

@@ -615,5 +615,7 @@ pub fn plan(
     })
 }
 
+pub mod tiers;
+
 #[cfg(test)]
 mod tests;

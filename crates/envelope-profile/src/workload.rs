@@ -129,6 +129,12 @@ pub struct TaskClass {
     /// Agent-shaped load, sessions: tool-result tokens added between calls.
     #[serde(default)]
     pub tool_result_tokens: u32,
+    /// Model tiers (`envelope plan --tier`): the model requests each tier
+    /// serves per call of this class (0.8 small and 0.2 large; escalated
+    /// calls are attempts on both, so the shares may sum above 1). Empty:
+    /// the mix given with `--tier-mix`.
+    #[serde(default)]
+    pub tiers: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -251,6 +257,9 @@ impl Workload {
                 if let Some(m) = mean {
                     nonneg(f(&format!("{n}_mean")), m)?;
                 }
+            }
+            for (t, share) in &c.tiers {
+                nonneg(f(&format!("tiers.{t}")), *share)?;
             }
             if c.concurrency_basis == ConcurrencyBasis::Run
                 && (c.time_in_system_s_mean.is_none() || c.time_in_system_s_p95.is_none())
