@@ -140,6 +140,15 @@ async fn each_signal_routes_a_call_to_its_rules_tier() {
     );
     let other = chat(&gov, short.clone(), &[("x-envelope-conversation", "c-2")]).await;
     assert_eq!(other.tier(), "small");
+    // A pinned tool step stays on its tier even when its answer fails.
+    let mut pinned = short.clone();
+    pinned["tools"] = json!([{"type": "function", "function": {"name": "get", "parameters": {}}}]);
+    pinned["response_format"] = json!({"type": "json_object"});
+    let r = chat(&gov, pinned, &[]).await;
+    assert_eq!(
+        (r.tier(), r.reason(), r.header("x-envelope-escalated")),
+        ("standard", "tools", "")
+    );
     // A feature name that is not one is a 400, not a silent default.
     let bad = chat(&gov, short, &[("x-envelope-feature", "no spaces allowed")]).await;
     assert_eq!(bad.status, 400, "{:?}", bad.body);
@@ -163,6 +172,8 @@ price = {{ input_per_mtok = 100.0, output_per_mtok = 400.0 }}
 [tiers.large]
 upstreams = [{{ url = "{}", profile = "{}", model = "smollm2" }}]
 price = {{ input_per_mtok = 1000.0, output_per_mtok = 4000.0 }}
+[escalation]
+streams = "buffer"
 "#,
         small.base,
         profile(&dir, "small", 1024, 64, 8).display(),
@@ -212,6 +223,28 @@ price = {{ input_per_mtok = 1000.0, output_per_mtok = 4000.0 }}
     assert_eq!(
         (plain.tier(), plain.header("x-envelope-escalated")),
         ("small", "")
+    );
+    // A stream, held whole (`streams = "buffer"`), is checked the same way
+    // and the client gets the tier up's stream.
+    body["stream"] = json!(true);
+    let r = reqwest::Client::new()
+        .post(gov.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let h = r.headers().clone();
+    assert_eq!(h["x-envelope-escalated"], "invalid_json");
+    assert_eq!(h["x-envelope-tier"], "large");
+    assert!(h["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("\"model\":\"smollm2\"") && text.trim_end().ends_with("data: [DONE]"),
+        "{text}"
     );
 }
 

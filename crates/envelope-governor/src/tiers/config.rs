@@ -499,6 +499,17 @@ small = ["large"]
     }
 
     #[test]
+    fn the_example_in_the_docs_is_valid() {
+        let doc = include_str!("../../../../docs/tiers.md");
+        let start = doc.find("```toml\n").expect("a toml block") + 8;
+        let len = doc[start..].find("```").unwrap();
+        let f = parse(&doc[start..start + len]).unwrap();
+        assert_eq!(f.order, ["small", "large"]);
+        assert_eq!(f.rules.len(), 3);
+        assert!(f.cache.enabled && f.shadow.sample > 0.0);
+    }
+
+    #[test]
     fn each_mistake_names_the_file_and_the_field() {
         let cases = [
             (
