@@ -39,6 +39,8 @@ pub enum Outcome {
     Escalated,
     Cached,
     Error,
+    /// Not placed anywhere (a 4xx or 429 from placement).
+    Refused,
 }
 
 impl Outcome {
@@ -48,6 +50,7 @@ impl Outcome {
             Outcome::Escalated => "escalated",
             Outcome::Cached => "cached",
             Outcome::Error => "error",
+            Outcome::Refused => "refused",
         }
     }
 }
@@ -125,12 +128,29 @@ impl Router {
     }
 
     /// A shadow call made on `tier` (its attempt is booked as any other).
-    pub fn book_shadow(&self, live: &Live, tier: usize, tag: &Tag) {
-        self.with_book(|b| b.row(&tag.feature, &live.tiers[tier].name).shadows += 1);
+    pub fn book_shadow(&self, live: &Live, tier: usize, tag: &Tag, price: &Price, u: Usage) {
+        let name = &live.tiers[tier].name;
+        let cost = price.cost(u);
+        self.with_book(|b| {
+            let r = b.row(&tag.feature, name);
+            r.shadows += 1;
+            r.shadow_cost += cost;
+        });
+        self.metrics
+            .shadow_cost
+            .get_or_create(&labels(&[("tier", name), ("feature", &tag.feature)]))
+            .inc_by(cost);
     }
 
-    pub fn book_refusal(&self, live: &Live, tier: usize, tag: &Tag) {
-        self.with_book(|b| b.row(&tag.feature, &live.tiers[tier].name).refusals += 1);
+    /// The label a feature is booked under (see [`super::cost::Book`]).
+    pub fn feature_label(&self, live: &Live, feature: &str) -> String {
+        let named = live.file.features.contains_key(feature)
+            || live.file.rules.iter().any(|r| {
+                r.features
+                    .as_ref()
+                    .is_some_and(|f| f.iter().any(|x| x == feature))
+            });
+        self.with_book(|b| b.feature_label(feature, named))
     }
 
     /// Books a call's end on the tier that answered (`tier`), and logs it.
@@ -148,9 +168,13 @@ impl Router {
         let name = &live.tiers[tier].name;
         let over = self.with_book(|b| {
             let row = b.row(&tag.feature, name);
-            if outcome != Outcome::Error {
-                row.calls += 1;
-                row.latency_ms_sum += ms;
+            match outcome {
+                Outcome::Error => {}
+                Outcome::Refused => row.refusals += 1,
+                _ => {
+                    row.calls += 1;
+                    row.latency_ms_sum += ms;
+                }
             }
             if story.fell_back_from.is_some() {
                 row.fallbacks += 1;

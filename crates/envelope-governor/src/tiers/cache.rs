@@ -15,6 +15,7 @@ pub const CACHEABLE_HEADER: &str = "x-envelope-cacheable";
 pub struct Key {
     pub tenant: String,
     pub tier: String,
+    /// The model and whatever else shapes the answer (endpoint, upstreams).
     pub model: String,
     pub request: Bytes,
 }

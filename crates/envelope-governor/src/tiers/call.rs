@@ -111,21 +111,25 @@ impl Router {
         wait: Wait,
     ) -> Result<Option<(Arc<Upstream>, Placed)>, GovernError> {
         let deadline = self.deadline_on(live, tier, &call.inc);
-        let ups = live.by_room(tier);
-        let candidates: &[Arc<Upstream>] = match wait {
-            Wait::No => &ups,
-            // Wait on the one with the most room only.
-            Wait::UntilDeadline => &ups[..ups.len().min(1)],
-        };
-        for up in candidates {
+        let mut last: Option<GovernError> = None;
+        for up in live.by_room(tier) {
             let settings = up.app.gov.settings();
-            if let Some(p) =
-                proxy::place(&up.app, &settings, &call.inc, &call.who, wait, deadline).await?
-            {
-                return Ok(Some((up.clone(), p)));
+            match proxy::place(&up.app, &settings, &call.inc, &call.who, wait, deadline).await {
+                Ok(Some(p)) => return Ok(Some((up, p))),
+                Ok(None) => {}
+                // This upstream cannot count the prompt, or its profile is
+                // smaller than another's: the next one may take it.
+                Err(e) if upstream_failed(&e) || never_fits(&e) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+            if wait == Wait::UntilDeadline && last.is_none() {
+                break;
             }
         }
-        Ok(None)
+        match last {
+            Some(e) => Err(e),
+            None => Ok(None),
+        }
     }
 
     /// Where the call runs: its tier if it has room now, else the first
@@ -151,6 +155,10 @@ impl Router {
                         too_big = Some(e);
                     }
                 }
+                // A tier whose upstream cannot even count the prompt has
+                // no room now; another may.
+                Err(e) if upstream_failed(&e) && t != start => {}
+                Err(e) if upstream_failed(&e) && now.len() > 1 => {}
                 Err(e) => return Err(e),
             }
         }
@@ -220,9 +228,14 @@ impl Router {
                 ));
             }
             Err(_) => {
+                let u = Usage {
+                    prompt: placed.plan.prompt_tokens,
+                    ..Usage::default()
+                };
+                self.book_attempt(live, tier, &call.tag, &up.price, u);
                 return Err(GovernError::UpstreamTimeout(
                     "the answer did not end within the request's lifetime".into(),
-                ))
+                ));
             }
         };
         let sse = headers
@@ -299,6 +312,22 @@ fn add_headers(h: &mut HeaderMap, extra: Vec<(&'static str, String)>) {
     }
 }
 
+/// A refusal the router answers itself, counted by reason.
+pub(super) fn refuse(r: &Router, e: GovernError) -> Response {
+    r.metrics
+        .refusals
+        .get_or_create(&labels(&[("reason", e.reason())]))
+        .inc();
+    if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
+        tracing::info!(
+            reason = e.reason(),
+            status = e.status().as_u16(),
+            "refused: {e}"
+        );
+    }
+    e.into_response()
+}
+
 pub(super) async fn governed(
     State(r): State<Arc<Router>>,
     endpoint: Endpoint,
@@ -308,16 +337,16 @@ pub(super) async fn governed(
     let live = r.live();
     let base = live.tiers[0].upstreams[0].app.clone();
     if r.is_draining() {
-        return proxy::reject(&base, GovernError::Draining);
+        return refuse(&r, GovernError::Draining);
     }
     let settings = base.gov.settings();
     let who = match identity::identify(&settings.tenants, req.headers()) {
         Ok(w) => w,
-        Err(e) => return proxy::reject(&base, e),
+        Err(e) => return refuse(&r, e),
     };
     let mut resp = match serve_call(&r, &live, endpoint, req, arrived, &who).await {
         Ok(resp) => resp,
-        Err(e) => proxy::reject(&base, e),
+        Err(e) => refuse(&r, e),
     };
     if let Ok(v) = HeaderValue::from_str(&who.tenant) {
         resp.headers_mut().insert("x-envelope-tenant", v);
@@ -338,21 +367,20 @@ async fn serve_call(
     let inc = proxy::read_request(&settings, endpoint, req, arrived, who.class).await?;
     let h = &inc.parts.headers;
     let feature = named(h, FEATURE_HEADER)?;
-    let feature = {
-        let mut b = r.book.lock().unwrap_or_else(|e| e.into_inner());
-        b.feature_label(feature.as_deref().unwrap_or(NO_FEATURE))
-    };
-    let conversation = named(h, CONVERSATION_HEADER)?;
+    let hint = named(h, HINT_HEADER)?;
+    // One tenant's conversation never moves another's routing.
+    let conversation = named(h, CONVERSATION_HEADER)?.map(|c| format!("{}\u{0}{c}", who.tenant));
     let mut signals = body_signals(&inc.parsed.body);
-    signals.prompt_tokens = proxy::count(&base, &settings, &inc.parsed)
-        .await?
-        .0
-        .into_iter()
-        .max()
-        .unwrap_or(0);
+    // For routing only (each tier counts again to admit): when the
+    // cheapest tier cannot count, the bound estimate routes.
+    let counts = match proxy::count(&base, &settings, &inc.parsed).await {
+        Ok((c, _)) => c,
+        Err(_) => crate::tokens::estimate(&inc.parsed, crate::tokens::BOUND_BYTES_PER_TOKEN),
+    };
+    signals.prompt_tokens = counts.into_iter().max().unwrap_or(0);
     signals.max_tokens = inc.parsed.max_tokens;
-    signals.hint = named(h, HINT_HEADER)?;
-    signals.feature = Some(feature.clone());
+    signals.hint = hint;
+    signals.feature = feature.clone();
     signals.escalated_before = conversation
         .as_ref()
         .is_some_and(|c| r.escalated.contains_key(c));
@@ -373,7 +401,8 @@ async fn serve_call(
         route,
         conversation,
         tag: Tag {
-            feature,
+            // Bounded labels for the book and /metrics; routing saw the name.
+            feature: r.feature_label(live, feature.as_deref().unwrap_or(NO_FEATURE)),
             tenant: who.tenant.clone(),
         },
         who: who.clone(),
@@ -387,7 +416,20 @@ async fn serve_call(
     let key = cache.as_ref().map(|_| Key {
         tenant: call.who.tenant.clone(),
         tier: live.tiers[start].name.clone(),
-        model: live.tiers[start].upstreams[0].model_for(&call.inc.parsed),
+        // Everything else that shapes the answer: the endpoint, the
+        // model, the upstreams serving it, the truncation rule.
+        model: format!(
+            "{}|{}|{}|{}",
+            call.inc.parsed.endpoint.label(),
+            live.tiers[start].upstreams[0].model_for(&call.inc.parsed),
+            live.tiers[start]
+                .upstreams
+                .iter()
+                .map(|u| u.spec.url.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            call.expect.no_truncation
+        ),
         request: call.inc.bytes.clone(),
     });
     if let (Some(c), Some(k)) = (&cache, &key) {
@@ -403,10 +445,29 @@ async fn serve_call(
             .get_or_create(&labels(&[("result", "miss")]))
             .inc();
     }
+    let mut story = Story {
+        start,
+        reason: call.route.reason.clone(),
+        fell_back_from: None,
+        escalated: None,
+        escalation_failed: None,
+        cache: if cache.is_some() { "miss" } else { "off" },
+        cost: 0.0,
+        stream: call.inc.parsed.stream,
+    };
     let (tier, up, placed) = match r.placement(live, &call, start).await {
         Ok(x) => x,
         Err(e) => {
-            r.book_refusal(live, start, &call.tag);
+            let status = e.status().as_u16();
+            r.book_call(
+                live,
+                start,
+                &call.tag,
+                Outcome::Refused,
+                0.0,
+                &story,
+                status,
+            );
             return Err(e);
         }
     };
@@ -414,16 +475,7 @@ async fn serve_call(
     if let Some(f) = fell_back_from {
         r.book_fallback(live, f, tier);
     }
-    let mut story = Story {
-        start,
-        reason: call.route.reason.clone(),
-        fell_back_from,
-        escalated: None,
-        escalation_failed: None,
-        cache: if cache.is_some() { "miss" } else { "off" },
-        cost: 0.0,
-        stream: call.inc.parsed.stream,
-    };
+    story.fell_back_from = fell_back_from;
     if !call.buffered {
         return stream_through(r, live, &call, tier, up, placed, &mut story).await;
     }
@@ -441,7 +493,16 @@ async fn serve_call(
                 Ok((up2, p2)) => r.attempt(live, &call, up_one, &up2, p2).await,
                 Err(e) => Err(e),
             };
+            let lower_ok = first.as_ref().is_ok_and(|f| f.status.is_success());
+            let keep_lower = live.file.escalation.out_of_time == OutOfTime::LowerAnswer;
             match second {
+                // The tier up failed outright: a usable lower answer stands.
+                Ok(w) if w.status.is_server_error() && lower_ok && keep_lower => {
+                    story.cost += w.cost;
+                    story.escalation_failed =
+                        Some(format!("upstream status {}", w.status.as_u16()));
+                    first
+                }
                 Ok(w) => {
                     story.cost += w.cost;
                     story.escalated = Some((check, tier));
@@ -488,8 +549,16 @@ async fn serve_call(
         &story,
         w.status.as_u16(),
     );
+    // Only an answer that passes the call's checks is kept for repeats.
+    let passes = check(
+        &live.file.escalation.on,
+        &call.expect,
+        w.status.as_u16(),
+        w.answer.as_ref(),
+    )
+    .is_none();
     if let (Some(c), Some(k)) = (&cache, key) {
-        if w.status.is_success() && story.escalation_failed.is_none() {
+        if w.status.is_success() && passes && story.escalation_failed.is_none() {
             let content_type = w
                 .headers
                 .get("content-type")
@@ -601,42 +670,57 @@ async fn stream_through(
     let resp = loop {
         let settings = up.app.gov.settings();
         let (bytes, parsed) = up.body_for(&call.inc.parsed, &call.inc.bytes);
-        match proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await {
-            Ok(resp) => break resp,
-            Err(e) => {
-                let may = !escalated
-                    && !call.route.pinned
-                    && tier + 1 < live.tiers.len()
-                    && live.file.escalation.on.contains(&Check::UpstreamError)
-                    && upstream_failed(&e);
-                let u = Usage {
-                    prompt: placed.plan.prompt_tokens,
-                    ..Usage::default()
-                };
-                story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
-                if !may {
-                    r.book_call(
-                        live,
-                        story.start,
-                        &call.tag,
-                        Outcome::Error,
-                        0.0,
-                        story,
-                        e.status().as_u16(),
-                    );
-                    return Err(e);
-                }
-                drop(placed);
-                r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
-                story.escalated = Some((Check::UpstreamError, tier));
-                escalated = true;
-                tier += 1;
-                let (u2, p2) = r.placement_up(live, call, tier).await?;
+        let sent = proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await;
+        // Nothing has gone to the client yet: an upstream that failed
+        // (unreachable, or a 5xx head) may still be retried a tier up.
+        let may = !escalated
+            && !call.route.pinned
+            && tier + 1 < live.tiers.len()
+            && live.file.escalation.on.contains(&Check::UpstreamError);
+        let failed = match sent {
+            Ok(resp) if !(may && resp.status().is_server_error()) => break resp,
+            Ok(resp) => GovernError::UpstreamUnreachable(format!(
+                "the upstream answered {}",
+                resp.status().as_u16()
+            )),
+            Err(e) => e,
+        };
+        let u = Usage {
+            prompt: placed.plan.prompt_tokens,
+            ..Usage::default()
+        };
+        story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
+        drop(placed);
+        let placed_up = if may && upstream_failed(&failed) {
+            r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
+            story.escalated = Some((Check::UpstreamError, tier));
+            escalated = true;
+            tier += 1;
+            r.placement_up(live, call, tier).await
+        } else {
+            Err(failed)
+        };
+        match placed_up {
+            Ok((u2, p2)) => {
                 up = u2;
                 placed = p2;
             }
+            Err(e) => {
+                let status = e.status().as_u16();
+                r.book_call(
+                    live,
+                    story.start,
+                    &call.tag,
+                    Outcome::Error,
+                    0.0,
+                    story,
+                    status,
+                );
+                return Err(e);
+            }
         }
     };
+    let status = resp.status();
     let mut extra = proxy::placed_headers(&placed);
     extra.push(("x-envelope-tier", live.tiers[tier].name.clone()));
     extra.push(("x-envelope-route-reason", story.reason.clone()));
@@ -663,13 +747,13 @@ async fn stream_through(
             cached: 0,
         };
         story.cost += r2.book_attempt(&live2, tier, &tag, &up2.price, u);
-        let outcome = match (end.whole, story.escalated) {
+        let outcome = match (end.whole && status.is_success(), story.escalated) {
             (false, _) => Outcome::Error,
             (true, Some(_)) => Outcome::Escalated,
             (true, None) => Outcome::Ok,
         };
         let ms = arrived.elapsed().as_secs_f64() * 1000.0;
-        r2.book_call(&live2, tier, &tag, outcome, ms, &story, 200);
+        r2.book_call(&live2, tier, &tag, outcome, ms, &story, status.as_u16());
     });
     let sent_at = Instant::now();
     let end = call.inc.end;

@@ -42,6 +42,9 @@ fn usage_of(v: &Value) -> Option<Usage> {
     })
 }
 
+/// Tool calls read from one answer at most.
+const MAX_TOOL_CALLS: usize = 128;
+
 /// Adds one JSON object (a whole answer or one stream chunk) to `a`.
 fn absorb(a: &mut Answer, v: &Value) {
     if let Some(u) = usage_of(v) {
@@ -76,6 +79,10 @@ fn absorb(a: &mut Answer, v: &Value) {
                 .get("index")
                 .and_then(Value::as_u64)
                 .map_or(i, |x| x as usize);
+            // An upstream's index is not trusted to size memory.
+            if idx >= MAX_TOOL_CALLS {
+                continue;
+            }
             while a.tool_calls.len() <= idx {
                 a.tool_calls.push((String::new(), String::new()));
             }

@@ -103,8 +103,10 @@ pub struct Row {
     pub fallbacks: u64,
     pub cache_hits: u64,
     pub refusals: u64,
-    /// Shadow calls made on this tier (calibration spend).
+    /// Shadow calls made on this tier, and what they cost (calibration
+    /// spend: not in `cost`, not in the cost per call).
     pub shadows: u64,
+    pub shadow_cost: f64,
     pub input_tokens: u64,
     pub cached_input_tokens: u64,
     pub output_tokens: u64,
@@ -116,8 +118,9 @@ pub struct Row {
 #[derive(Debug, Default)]
 pub struct Book {
     rows: BTreeMap<(String, String), Row>,
-    /// Distinct features seen; past the bound, new ones book as `_other`.
-    features: usize,
+    /// Features booked under their own name; past the bound, others book
+    /// as `_other` (the features the tiers file names always keep theirs).
+    features: std::collections::BTreeSet<String>,
 }
 
 /// Features tracked by name at most (labels are bounded).
@@ -128,15 +131,16 @@ pub const NO_FEATURE: &str = "_none";
 pub const OTHER_FEATURE: &str = "_other";
 
 impl Book {
-    /// The label `feature` is booked under.
-    pub fn feature_label(&mut self, feature: &str) -> String {
-        if self.rows.keys().any(|(f, _)| f == feature) {
+    /// The label `feature` is booked under; `named` are the features the
+    /// configuration names (never folded into `_other`).
+    pub fn feature_label(&mut self, feature: &str, named: bool) -> String {
+        if named || self.features.contains(feature) {
             return feature.to_string();
         }
-        if self.features >= MAX_FEATURES {
+        if self.features.len() >= MAX_FEATURES {
             return OTHER_FEATURE.to_string();
         }
-        self.features += 1;
+        self.features.insert(feature.to_string());
         feature.to_string()
     }
 
@@ -179,7 +183,7 @@ impl Book {
     /// The book as CSV, a row per feature and tier.
     pub fn csv(&self) -> String {
         let mut out = String::from(
-            "feature,tier,calls,attempts,escalations,fallbacks,cache_hits,refusals,shadows,input_tokens,cached_input_tokens,output_tokens,cost,mean_latency_ms\n",
+            "feature,tier,calls,attempts,escalations,fallbacks,cache_hits,refusals,shadows,shadow_cost,input_tokens,cached_input_tokens,output_tokens,cost,mean_latency_ms\n",
         );
         for ((f, t), r) in &self.rows {
             let mean = if r.calls > 0 {
@@ -188,7 +192,7 @@ impl Book {
                 0.0
             };
             out.push_str(&format!(
-                "{f},{t},{},{},{},{},{},{},{},{},{},{},{:.9},{mean:.1}\n",
+                "{f},{t},{},{},{},{},{},{},{},{:.9},{},{},{},{:.9},{mean:.1}\n",
                 r.calls,
                 r.attempts,
                 r.escalations,
@@ -196,6 +200,7 @@ impl Book {
                 r.cache_hits,
                 r.refusals,
                 r.shadows,
+                r.shadow_cost,
                 r.input_tokens,
                 r.cached_input_tokens,
                 r.output_tokens,
@@ -279,10 +284,11 @@ mod tests {
     fn feature_labels_are_bounded() {
         let mut b = Book::default();
         for i in 0..MAX_FEATURES {
-            let l = b.feature_label(&format!("f{i}"));
+            let l = b.feature_label(&format!("f{i}"), false);
             b.row(&l, "t");
         }
-        assert_eq!(b.feature_label("f0"), "f0");
-        assert_eq!(b.feature_label("new"), OTHER_FEATURE);
+        assert_eq!(b.feature_label("f0", false), "f0");
+        assert_eq!(b.feature_label("new", false), OTHER_FEATURE);
+        assert_eq!(b.feature_label("configured", true), "configured");
     }
 }

@@ -38,6 +38,8 @@ pub struct Upstream {
     pub price: Price,
     /// Whether it runs at half its profile (fingerprint mismatch).
     pub conservative: bool,
+    /// The text its settings were built from (profile and tenants file).
+    pub source: String,
     pub tasks: Arc<Tasks>,
 }
 
@@ -135,10 +137,13 @@ pub struct Router {
     /// Conversations that escalated before (`x-envelope-conversation`).
     pub escalated: moka::sync::Cache<String, ()>,
     pub shadow: Mutex<BTreeMap<(String, String, String), Agreement>>,
-    pub shadow_slots: Arc<tokio::sync::Semaphore>,
+    /// Shadow calls in flight: (the bound, its permits).
+    shadow_slots: RwLock<(usize, Arc<tokio::sync::Semaphore>)>,
     pub metrics: TierMetrics,
     calls_log: Mutex<Option<(PathBuf, std::io::BufWriter<std::fs::File>)>>,
     draining: AtomicBool,
+    /// Held by a reload or a rollback: one change at a time.
+    pub changes: tokio::sync::Mutex<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -163,12 +168,11 @@ impl Router {
                 .time_to_live(Duration::from_secs(3600))
                 .build(),
             shadow: Mutex::new(BTreeMap::new()),
-            shadow_slots: Arc::new(tokio::sync::Semaphore::new(
-                live.file.shadow.max_in_flight.max(1),
-            )),
+            shadow_slots: RwLock::new((0, Arc::new(tokio::sync::Semaphore::new(0)))),
             metrics: TierMetrics::new(),
             calls_log: Mutex::new(None),
             draining: AtomicBool::new(false),
+            changes: tokio::sync::Mutex::new(()),
         };
         r.install(Arc::new(live));
         Arc::new(r)
@@ -218,6 +222,13 @@ impl Router {
                 });
             }
         }
+        {
+            let n = live.file.shadow.max_in_flight.max(1);
+            let mut slots = self.shadow_slots.write().unwrap_or_else(|e| e.into_inner());
+            if slots.0 != n {
+                *slots = (n, Arc::new(tokio::sync::Semaphore::new(n)));
+            }
+        }
         self.metrics.version.clear();
         self.metrics
             .version
@@ -251,6 +262,12 @@ impl Router {
         let v = prev.file.version.clone();
         self.install(prev);
         Ok(v)
+    }
+
+    /// A slot for one shadow call, if fewer than the bound are in flight.
+    pub fn shadow_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slots = self.shadow_slots.read().unwrap_or_else(|e| e.into_inner());
+        slots.1.clone().try_acquire_owned().ok()
     }
 
     /// Versions that can be restored, the newest last.

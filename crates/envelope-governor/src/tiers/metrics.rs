@@ -38,6 +38,10 @@ pub struct TierMetrics {
     pub cache: Family<Labels, Counter>,
     /// {tier, feature, agreed}: shadow comparisons with the next tier up.
     pub shadow: Family<Labels, Counter>,
+    /// {tier, feature}: what shadow calls cost (calibration spend).
+    pub shadow_cost: Family<Labels, Counter<f64, AtomicU64>>,
+    /// {reason}: calls the router refused (the governor error's label).
+    pub refusals: Family<Labels, Counter>,
     /// {feature}: 1 while its mean cost per call is over its allowance.
     pub over_budget: Family<Labels, Gauge>,
     /// {version}: the routing in force (value 1).
@@ -58,6 +62,8 @@ impl TierMetrics {
             routes: Family::default(),
             cache: Family::default(),
             shadow: Family::default(),
+            shadow_cost: Family::default(),
+            refusals: Family::default(),
             over_budget: Family::default(),
             version: Family::default(),
             reloads: Family::default(),
@@ -102,6 +108,16 @@ impl TierMetrics {
             "envelope_tier_shadow",
             "Shadow comparisons with the next tier up, by agreement",
             m.shadow.clone(),
+        );
+        r.register(
+            "envelope_tier_shadow_cost",
+            "Cost units of shadow calls, by the tier that served them and feature",
+            m.shadow_cost.clone(),
+        );
+        r.register(
+            "envelope_tier_refusals",
+            "Calls refused, by reason (4xx and 5xx the governor answered itself)",
+            m.refusals.clone(),
         );
         r.register(
             "envelope_tier_feature_over_budget",

@@ -3,7 +3,9 @@
 //! tier has room now (a shadow never queues and never delays a real call).
 //! Whether the two answers agree (the same text, equal JSON, or the same
 //! tool call, as the call asked) is counted per tier, feature and the rule
-//! that routed the call, so a threshold moves in measured steps.
+//! that routed the call, so a threshold moves in measured steps. Their
+//! spend is booked apart (`shadow_cost`), not in the features' cost per
+//! call.
 
 use super::book::Tag;
 use super::check::{read_answer, Agreement, Answer, Expect, Usage};
@@ -37,7 +39,7 @@ pub(super) fn maybe(
         tag.feature.clone(),
         reason.to_string(),
     );
-    let Ok(slot) = r.shadow_slots.clone().try_acquire_owned() else {
+    let Some(slot) = r.shadow_slot() else {
         tally(r, key, None);
         return;
     };
@@ -86,8 +88,7 @@ async fn shadow(
             prompt: placed.plan.prompt_tokens,
             ..Usage::default()
         });
-        r.book_attempt(live, up_tier, tag, &up.price, u);
-        r.book_shadow(live, up_tier, tag);
+        r.book_shadow(live, up_tier, tag, &up.price, u);
         drop(placed);
         if !ok {
             return None;

@@ -31,6 +31,12 @@ use std::time::{Duration, SystemTime};
 /// An invalid tiers file, profile or setting (named), a refused
 /// fingerprint mismatch, an address it cannot bind.
 pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
+    if args.tokenizer.is_some() {
+        return Err(StartError::Invalid(
+            "--tokenizer: with --tiers each upstream names its own (`tokenizer` in the tiers file)"
+                .into(),
+        ));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -43,10 +49,16 @@ fn read_file(path: &Path) -> Result<(TiersFile, String), StartError> {
     Ok((file, text))
 }
 
-fn read_profile(spec: &UpstreamSpec) -> Result<Profile, StartError> {
+/// The upstream's profile, and the text its settings come from (the
+/// profile and the tenants file): unchanged text, unchanged settings.
+fn read_profile(args: &GovernArgs, spec: &UpstreamSpec) -> Result<(Profile, String), StartError> {
     let shown = spec.profile.display().to_string();
-    let text = crate::config::read("profile", &spec.profile)?;
-    Ok(Profile::from_json(&text, &shown)?)
+    let mut text = crate::config::read("profile", &spec.profile)?;
+    let profile = Profile::from_json(&text, &shown)?;
+    if let Some(t) = &args.tenants {
+        text.push_str(&crate::config::read("--tenants", t)?);
+    }
+    Ok((profile, text))
 }
 
 /// An upstream for `spec`: the running one when `reuse` serves the same
@@ -59,21 +71,29 @@ async fn upstream(
     reuse: Option<&Arc<Upstream>>,
 ) -> Result<(Arc<Upstream>, Option<crate::Settings>), StartError> {
     let named = |e: StartError| StartError::Invalid(format!("{field}: {e}"));
-    let profile = read_profile(spec).map_err(named)?;
+    let (profile, source) = read_profile(args, spec).map_err(named)?;
     let price = Price::new(price, &profile)
         .map_err(|e| StartError::Invalid(format!("{field} price: {e}")))?;
     if let Some(u) = reuse {
-        let settings = args
-            .settings(&spec.profile, u.conservative)
-            .map_err(named)?;
+        // Settings are rebuilt (and the guards' state reset) only when
+        // what they come from changed.
+        let settings = if u.source == source {
+            None
+        } else {
+            Some(
+                args.settings(&spec.profile, u.conservative)
+                    .map_err(named)?,
+            )
+        };
         let up = Upstream {
             spec: spec.clone(),
             app: u.app.clone(),
             price,
             conservative: u.conservative,
+            source,
             tasks: u.tasks.clone(),
         };
-        return Ok((Arc::new(up), Some(settings)));
+        return Ok((Arc::new(up), settings));
     }
     let url = spec.url.trim_end_matches('/').to_string();
     let client = reqwest::Client::builder()
@@ -110,6 +130,7 @@ async fn upstream(
         app: Arc::new(AppState::new(gov, &url, counter)),
         price,
         conservative,
+        source,
         tasks: Arc::new(Tasks(tasks)),
     };
     Ok((Arc::new(up), None))
@@ -154,6 +175,9 @@ async fn build(
 
 /// Reloads the tiers file; the version in force stays when it is invalid.
 async fn reload(r: &Arc<Router>) -> Result<String, String> {
+    // One change at a time: two builds from one snapshot would start two
+    // governors for one new upstream.
+    let _one = r.changes.lock().await;
     let result = async {
         let read = read_file(&r.path)?;
         let live = build(&r.args, read, Some(&r.live())).await?;
@@ -320,7 +344,10 @@ async fn admin_rollback(State(r): State<Arc<Router>>, req: Request) -> Response 
     if let Some(no) = admin_refusal(&r, &req, true) {
         return no;
     }
-    let result = r.rollback();
+    let result = {
+        let _one = r.changes.lock().await;
+        r.rollback()
+    };
     let outcome = if result.is_ok() {
         "rollback"
     } else {
@@ -345,7 +372,7 @@ async fn not_found(State(r): State<Arc<Router>>, req: Request) -> Response {
         req.method(),
         req.uri().path()
     ));
-    crate::proxy::reject(&base(&r), e)
+    call::refuse(&r, e)
 }
 
 pub(super) fn app(r: Arc<Router>) -> axum::Router {
