@@ -140,13 +140,15 @@ fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan
             v.summary.e2e_ms.p99
         );
         println!(
-            "plan {} (tolerance {:.0}%)",
+            "plan {} (tolerance {:.0}% + the replay's sampling error {:.0}%, from {} requests)",
             if v.optimistic {
                 "OPTIMISTIC"
             } else {
                 "confirmed"
             },
-            v.tolerance * 100.0
+            v.tolerance * 100.0,
+            v.sampling * 100.0,
+            v.summary.requests - v.summary.errors
         );
     }
     if v.optimistic {

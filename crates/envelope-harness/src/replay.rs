@@ -57,6 +57,10 @@ pub struct Validation {
     pub replicas: u64,
     pub seconds: f64,
     pub tolerance: f64,
+    /// The replay's own sampling error, added to the tolerance: two
+    /// standard errors of a Poisson count of the requests replayed
+    /// (2 / sqrt(n)), so a short replay's draw is not taken for a wrong plan.
+    pub sampling: f64,
     pub summary: ProbeSummary,
     pub checks: Vec<ConstraintCheck>,
     /// SLOs the replayed share broke.
@@ -124,6 +128,8 @@ pub fn validate(
     let run = run_probe(&driver, &load, runs, 0.5);
     let summary = summarise(&run, run.max_in_flight, slo, &LoadConfig::default());
     let window = s.seconds;
+    let served = run.records.iter().filter(|r| r.error.is_none()).count();
+    let sampling = 2.0 / (served.max(1) as f64).sqrt();
     let mut checks = vec![];
     for need in &sc.constraints {
         let c = need.constraint;
@@ -171,7 +177,7 @@ pub fn validate(
             demand_measured: demand,
             utilisation_predicted: predicted,
             utilisation_measured: util,
-            optimistic: util > predicted * (1.0 + s.tolerance),
+            optimistic: util > predicted * (1.0 + s.tolerance + sampling),
         });
     }
     let slo_breaches: Vec<String> = summary
@@ -185,6 +191,7 @@ pub fn validate(
         replicas: sc.replicas,
         seconds: window,
         tolerance: s.tolerance,
+        sampling,
         summary,
         checks,
         slo_breaches,
