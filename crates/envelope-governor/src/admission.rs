@@ -609,6 +609,21 @@ impl Governor {
         Ok(())
     }
 
+    /// 400 for a request that could not run even on an idle server.
+    fn never_fits(g: &Inner, ask: &Ask) -> Option<GovernError> {
+        if g.ledger.fits_ever(&ask.tenant, ask.demand) {
+            return None;
+        }
+        let cap = g.ledger.full_capacity();
+        Some(GovernError::NeverFits {
+            param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
+            message: format!(
+                "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens, so it can never run: lower max_tokens, n or the prompt",
+                ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
+            ),
+        })
+    }
+
     /// Admits now, queues until it fits, or refuses.
     ///
     /// # Errors
@@ -627,15 +642,8 @@ impl Governor {
             if let Some(e) = Self::reject_new(&mut g, now_ms, ask.demand) {
                 return Err(e);
             }
-            if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
-                let cap = g.ledger.full_capacity();
-                return Err(GovernError::NeverFits {
-                    param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
-                    message: format!(
-                        "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens, so it can never run: lower max_tokens, n or the prompt",
-                        ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
-                    ),
-                });
+            if let Some(e) = Self::never_fits(&g, &ask) {
+                return Err(e);
             }
             if !g.ledger.fits_now_idle(&ask.tenant, ask.demand) {
                 return Err(Self::tightened_error(&mut g, now_ms, ask.class, ask.demand));

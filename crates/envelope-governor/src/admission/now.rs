@@ -25,15 +25,8 @@ impl Governor {
         if g.ladder.level() == Level::RejectNew {
             return Ok(None);
         }
-        if !g.ledger.fits_ever(&ask.tenant, ask.demand) {
-            let cap = g.ledger.full_capacity();
-            return Err(GovernError::NeverFits {
-                param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
-                message: format!(
-                    "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens",
-                    ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
-                ),
-            });
+        if let Some(e) = Self::never_fits(&g, &ask) {
+            return Err(e);
         }
         if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
             let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);

@@ -246,6 +246,39 @@ mod tests {
     }
 
     #[test]
+    fn gpu_seconds_use_the_profiles_safe_point_throughput() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+        ))
+        .unwrap();
+        let p = Profile::from_json(&text, "quickstart").unwrap();
+        // The selected q8_0 configuration's three buckets, at their
+        // feasible probes: 399.47, 373.29 and 376.56 tok/s.
+        let rate = safe_point_tok_per_s(&p).unwrap();
+        assert!((rate - 383.105).abs() < 0.01, "{rate}");
+        let spec = PriceSpec {
+            input_per_mtok: None,
+            cached_input_per_mtok: None,
+            output_per_mtok: None,
+            gpu_second: Some(2.0),
+        };
+        let price = Price::new(Some(&spec), &p).unwrap();
+        let u = Usage {
+            prompt: 300,
+            completion: 83,
+            cached: 0,
+        };
+        assert!((price.cost(u) - 383.0 / rate * 2.0).abs() < 1e-12);
+        let mut bare = p.clone();
+        bare.configs.clear();
+        assert!(Price::new(Some(&spec), &bare)
+            .unwrap_err()
+            .contains("gpu_second"));
+        assert_eq!(Price::new(None, &bare).unwrap(), Price::Free);
+    }
+
+    #[test]
     fn features_over_their_allowance_are_listed() {
         let mut b = Book::default();
         for (f, t, calls, cost) in [
