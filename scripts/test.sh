@@ -39,6 +39,17 @@ if ! command -v "${CXX:-c++}" >/dev/null; then
 fi
 "${CXX:-c++}" --version | head -1
 
+stage "redis-server (budgets shared by governor replicas are tested against a real one)"
+if ! command -v redis-server >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq redis-server
+  else
+    echo "no redis-server: install Debian's redis-server (or set ENVELOPE_REDIS_SERVER)" >&2
+    exit 1
+  fi
+fi
+redis-server --version
+
 stage "cargo test"
 cargo test --release --locked --workspace
 

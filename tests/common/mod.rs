@@ -1,6 +1,7 @@
 //! Runs `envelope serve` on a free loopback port for a test and stops it on drop.
 #![allow(dead_code)]
 
+pub mod redis;
 pub mod tiers;
 
 use std::io::{BufRead, BufReader};

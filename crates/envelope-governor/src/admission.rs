@@ -144,6 +144,9 @@ pub struct Permit {
     admitted_ms: u64,
     pub queued_for: Duration,
     used_tokens: Option<u64>,
+    /// The request's reservation against budgets over time; it rides with
+    /// the permit and is settled where the answer ends.
+    pub(crate) budget: Option<crate::budget::Hold>,
 }
 
 impl Permit {
@@ -386,6 +389,7 @@ impl Governor {
             admitted_ms: self.now_ms(),
             queued_for,
             used_tokens: None,
+            budget: None,
         }
     }
 

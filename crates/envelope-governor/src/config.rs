@@ -185,6 +185,15 @@ pub struct GovernArgs {
     /// Prompt tokens charged per audio part of a chat message (default 2048).
     #[arg(long, env = "ENVELOPE_GOVERN_AUDIO_PART_TOKENS")]
     pub audio_part_tokens: Option<u64>,
+    /// Budgets over time (TOML: requests, input and output tokens per minute, cost per day, per tenant and feature; see docs/budgets.md).
+    #[arg(long, env = "ENVELOPE_GOVERN_BUDGETS", conflicts_with = "tiers")]
+    pub budgets: Option<PathBuf>,
+    /// Where budget buckets live: redis://host:port shares them between governor replicas (default: in this process).
+    #[arg(long, env = "ENVELOPE_GOVERN_BUDGET_STORE")]
+    pub budget_store: Option<String>,
+    /// One budget decision with --budget-store, ms; past it the budget's on_store_error applies (default 50).
+    #[arg(long, env = "ENVELOPE_GOVERN_BUDGET_STORE_TIMEOUT_MS")]
+    pub budget_store_timeout_ms: Option<u64>,
 }
 
 macro_rules! merge {
@@ -251,7 +260,10 @@ impl GovernArgs {
             count_timeout_ms,
             max_counting,
             image_part_tokens,
-            audio_part_tokens
+            audio_part_tokens,
+            budgets,
+            budget_store,
+            budget_store_timeout_ms
         );
         Ok(self)
     }
@@ -330,6 +342,12 @@ impl GovernArgs {
             ..LadderConfig::default()
         };
         s.admin_token = self.admin_token.clone();
+        if let Some(p) = &self.budgets {
+            let t = read("--budgets", p)?;
+            let b = crate::budget::Budgets::from_toml(&t, &p.display().to_string(), &profile)
+                .map_err(StartError::Invalid)?;
+            s.budgets = Some(std::sync::Arc::new(b));
+        }
         s.validate()
             .map_err(|e| StartError::Invalid(format!("{shown} with overrides: {e}")))?;
         Ok(s)

@@ -68,6 +68,22 @@ pub enum GovernError {
     Unauthorized(String),
     #[error("no route {0}")]
     NotFound(String),
+    /// Over a budget over time (`--budgets`): retry after the refill.
+    #[error("{message}")]
+    OverRate {
+        /// OpenAI's error type: `requests`, `tokens` or `cost`.
+        kind: &'static str,
+        message: String,
+        retry_after_ms: u64,
+        /// The `x-ratelimit-*` headers as of the refusal.
+        headers: Vec<(&'static str, String)>,
+    },
+    /// Larger than a budget could ever hold (so clients must not retry).
+    #[error("{0}")]
+    OverBudgetForever(String),
+    /// The budget store cannot be reached and a budget fails closed.
+    #[error("the budget store cannot be reached; this request's budget fails closed")]
+    BudgetStoreDown,
 }
 
 /// Why a transient refusal happened; each is its own metrics label.
@@ -122,6 +138,9 @@ impl GovernError {
             GovernError::Forbidden(_) => "forbidden",
             GovernError::Unauthorized(_) => "invalid_api_key",
             GovernError::NotFound(_) => "not_found",
+            GovernError::OverRate { .. } => "budget_exceeded",
+            GovernError::OverBudgetForever(_) => "budget_too_small",
+            GovernError::BudgetStoreDown => "budget_store_unavailable",
         }
     }
 
@@ -131,11 +150,14 @@ impl GovernError {
             | GovernError::ContextLength { .. }
             | GovernError::BeyondEnvelope { .. }
             | GovernError::OutputTooLong { .. }
-            | GovernError::NeverFits { .. } => StatusCode::BAD_REQUEST,
+            | GovernError::NeverFits { .. }
+            | GovernError::OverBudgetForever(_) => StatusCode::BAD_REQUEST,
             GovernError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             GovernError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            GovernError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            GovernError::Draining => StatusCode::SERVICE_UNAVAILABLE,
+            GovernError::Overloaded { .. } | GovernError::OverRate { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            GovernError::Draining | GovernError::BudgetStoreDown => StatusCode::SERVICE_UNAVAILABLE,
             GovernError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             GovernError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             GovernError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -149,6 +171,8 @@ impl GovernError {
         match self {
             GovernError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
             GovernError::Draining => Some(5),
+            GovernError::OverRate { retry_after_ms, .. } => Some(retry_after_ms.div_ceil(1000)),
+            GovernError::BudgetStoreDown => Some(1),
             _ => None,
         }
     }
@@ -196,6 +220,15 @@ impl GovernError {
                 ("invalid_request_error", None, Some("invalid_api_key"))
             }
             GovernError::NotFound(_) => ("invalid_request_error", None, Some("not_found")),
+            GovernError::OverRate { kind, .. } => (kind, None, Some("rate_limit_exceeded")),
+            GovernError::OverBudgetForever(_) => (
+                "invalid_request_error",
+                Some("max_tokens".into()),
+                Some("budget_too_small"),
+            ),
+            GovernError::BudgetStoreDown => {
+                ("server_error", None, Some("budget_store_unavailable"))
+            }
         };
         json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
     }
@@ -209,6 +242,19 @@ impl IntoResponse for GovernError {
             h.insert("retry-after", HeaderValue::from(s));
         }
         h.insert("x-envelope-reason", HeaderValue::from_static(self.reason()));
+        if let GovernError::OverRate {
+            retry_after_ms,
+            headers,
+            ..
+        } = &self
+        {
+            h.insert("retry-after-ms", HeaderValue::from(*retry_after_ms));
+            for (k, v) in headers {
+                if let Ok(v) = HeaderValue::from_str(v) {
+                    h.insert(axum::http::HeaderName::from_static(k), v);
+                }
+            }
+        }
         // A request that can never fit must not be retried by clients that
         // honour x-should-retry (the official OpenAI clients do).
         if self.status().is_client_error() && self.status() != StatusCode::TOO_MANY_REQUESTS {
@@ -256,6 +302,14 @@ mod tests {
                 bucket_tokens: 288,
             },
             GovernError::Unauthorized("x".into()),
+            GovernError::OverRate {
+                kind: "tokens",
+                message: "over".into(),
+                retry_after_ms: 1500,
+                headers: vec![("x-ratelimit-remaining-tokens", "3".into())],
+            },
+            GovernError::OverBudgetForever("x".into()),
+            GovernError::BudgetStoreDown,
         ]
     }
 
@@ -264,7 +318,7 @@ mod tests {
         let statuses: Vec<u16> = all().iter().map(|e| e.status().as_u16()).collect();
         assert_eq!(
             statuses,
-            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404, 400, 401]
+            [400, 400, 400, 400, 413, 408, 429, 503, 502, 504, 403, 404, 400, 401, 429, 400, 503]
         );
         for e in all() {
             let b = e.body();
@@ -285,13 +339,28 @@ mod tests {
     #[test]
     fn only_overload_and_draining_carry_retry_after() {
         for e in all() {
-            let want = matches!(e, GovernError::Overloaded { .. } | GovernError::Draining);
+            let want = matches!(
+                e,
+                GovernError::Overloaded { .. }
+                    | GovernError::Draining
+                    | GovernError::OverRate { .. }
+                    | GovernError::BudgetStoreDown
+            );
             assert_eq!(e.retry_after_s().is_some(), want, "{e:?}");
         }
         let r = all()[6].clone().into_response();
         assert_eq!(r.headers()["retry-after"], "3");
         assert_eq!(r.headers()["x-envelope-reason"], "queue_full");
         let r = all()[0].clone().into_response();
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        // Over a budget: whole seconds rounded up, the exact ms, and the
+        // budget's headers.
+        let r = all()[14].clone().into_response();
+        assert_eq!(r.headers()["retry-after"], "2");
+        assert_eq!(r.headers()["retry-after-ms"], "1500");
+        assert_eq!(r.headers()["x-ratelimit-remaining-tokens"], "3");
+        assert_eq!(r.headers()["x-envelope-reason"], "budget_exceeded");
+        let r = all()[15].clone().into_response();
         assert_eq!(r.headers()["x-should-retry"], "false");
     }
 }

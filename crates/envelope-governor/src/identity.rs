@@ -12,6 +12,11 @@ use crate::settings::{valid_tenant_name, TenantsFile, MAX_TENANT_NAME};
 use axum::http::HeaderMap;
 
 pub const CLASS_HEADER: &str = "x-envelope-class";
+/// The feature a call is for (budgets per feature, cost per feature).
+pub const FEATURE_HEADER: &str = "x-envelope-feature";
+
+pub use crate::names::{valid_name, MAX_FEATURE_NAME};
+
 /// The tenant of requests without a trusted header or an API key.
 pub const DEFAULT_TENANT: &str = "default";
 
@@ -91,6 +96,24 @@ pub fn identify(t: &TenantsFile, h: &HeaderMap) -> Result<Identity, GovernError>
     let tenant = tenant(t, h)?;
     let class = class(t, &tenant, h)?;
     Ok(Identity { tenant, class })
+}
+
+/// A header's value as a name (feature, hint, conversation).
+pub fn named(h: &HeaderMap, header: &str) -> Result<Option<String>, GovernError> {
+    match h.get(header) {
+        None => Ok(None),
+        Some(v) => {
+            let s = v.to_str().unwrap_or("").trim();
+            if valid_name(s) {
+                Ok(Some(s.to_string()))
+            } else {
+                Err(GovernError::invalid(
+                    None,
+                    format!("header {header} must hold 1 to 64 of A-Z a-z 0-9 . _ - : @ /"),
+                ))
+            }
+        }
+    }
 }
 
 #[cfg(test)]

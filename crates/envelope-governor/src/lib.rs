@@ -12,6 +12,7 @@
 //! [`start`] runs the process: checks, background tasks, reload, drain.
 
 pub mod admission;
+pub mod budget;
 pub mod config;
 pub mod error;
 pub mod estimate;
@@ -21,7 +22,9 @@ pub mod latency;
 pub mod ledger;
 pub mod live;
 pub mod metrics;
+pub mod names;
 pub mod policy;
+pub mod price;
 pub mod proxy;
 pub mod queue;
 pub mod request;

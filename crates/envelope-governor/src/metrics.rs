@@ -43,6 +43,10 @@ pub struct Metrics {
     pub added_latency: Histogram,
     pub ttft: Histogram,
     pub inter_chunk: Histogram,
+    pub budget_refusals: Family<Labels, Counter>,
+    pub budget_shadow_refusals: Family<Labels, Counter>,
+    pub budget_store_errors: Family<Labels, Counter>,
+    pub budget_decision: Histogram,
 }
 
 pub fn label(k: &str, v: &str) -> Labels {
@@ -82,6 +86,11 @@ impl Metrics {
             added_latency: Histogram::new(exponential_buckets(0.00005, 2.0, 22)),
             ttft: Histogram::new(exponential_buckets(0.001, 2.0, 18)),
             inter_chunk: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            budget_refusals: Family::default(),
+            budget_shadow_refusals: Family::default(),
+            budget_store_errors: Family::default(),
+            // 10 us .. ~80 ms
+            budget_decision: Histogram::new(exponential_buckets(0.00001, 2.0, 14)),
         };
         let r = &mut m.registry;
         macro_rules! reg {
@@ -228,6 +237,26 @@ impl Metrics {
             "envelope_governor_inter_chunk_seconds",
             "Gaps between response chunks (streams)",
             m.inter_chunk
+        );
+        reg!(
+            "envelope_governor_budget_refusals",
+            "Requests refused over a budget over time, by budget",
+            m.budget_refusals
+        );
+        reg!(
+            "envelope_governor_budget_shadow_refusals",
+            "Requests a shadow-mode budget would have refused (they were admitted), by budget",
+            m.budget_shadow_refusals
+        );
+        reg!(
+            "envelope_governor_budget_store_errors",
+            "Budget store calls that failed (decide, settle)",
+            m.budget_store_errors
+        );
+        reg!(
+            "envelope_governor_budget_decision_seconds",
+            "Time of one budget decision (a Redis round trip with --budget-store)",
+            m.budget_decision
         );
         m
     }

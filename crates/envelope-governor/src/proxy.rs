@@ -43,6 +43,8 @@ pub struct AppState {
     pub upstream: String,
     pub counter: TokenCounter,
     pub reload: Option<ReloadHook>,
+    /// Where budgets over time keep their buckets (in process by default).
+    pub budget_store: Arc<crate::budget::Store>,
     /// Requests being counted at once.
     counting: Arc<tokio::sync::Semaphore>,
 }
@@ -57,6 +59,7 @@ impl AppState {
             upstream: upstream.trim_end_matches('/').to_string(),
             counter,
             reload: None,
+            budget_store: Arc::new(crate::budget::Store::local()),
         }
     }
 }
@@ -538,6 +541,27 @@ pub(crate) async fn place(
         .filter_map(|c| settings.limits.buckets.get(c.bucket))
         .filter_map(|b| b.ttft_p95_ms)
         .reduce(f64::max);
+    // Budgets over time: reserved before the queue (a request over budget
+    // does not wait for a slot first), given back if it is not admitted.
+    let hold = match &settings.budgets {
+        None => None,
+        Some(b) => {
+            let feature = identity::named(&inc.parts.headers, identity::FEATURE_HEADER)?;
+            let output_tokens = plan.max_tokens.saturating_mul(plan.demand.seqs);
+            let a = crate::budget::Amounts {
+                input_tokens: plan.prompt_tokens,
+                output_tokens,
+                cost: b.price.cost(crate::price::Usage {
+                    prompt: plan.prompt_tokens,
+                    completion: output_tokens,
+                    cached: 0,
+                }),
+            };
+            let m = &s.gov.metrics;
+            crate::budget::reserve(&s.budget_store, b, m, &who.tenant, feature.as_deref(), a)
+                .await?
+        }
+    };
     let ask = Ask {
         tenant: who.tenant.clone(),
         class,
@@ -546,13 +570,14 @@ pub(crate) async fn place(
         charges: plan.charges.clone(),
         expected_ttft_ms,
     };
-    let permit = match wait {
+    let mut permit = match wait {
         Wait::UntilDeadline => s.gov.admit(ask).await?,
         Wait::No => match s.gov.try_admit(ask)? {
             Some(p) => p,
             None => return Ok(None),
         },
     };
+    permit.budget = hold;
     s.gov
         .metrics
         .output_decisions
@@ -619,7 +644,7 @@ pub(crate) async fn send(
 
 /// The headers that say what the governor did with a placed request.
 pub(crate) fn placed_headers(placed: &Placed) -> Vec<(&'static str, String)> {
-    vec![
+    let mut out = vec![
         ("x-envelope-max-tokens", placed.plan.max_tokens.to_string()),
         (
             "x-envelope-max-tokens-decision",
@@ -634,7 +659,11 @@ pub(crate) fn placed_headers(placed: &Placed) -> Vec<(&'static str, String)> {
             "x-envelope-queue-ms",
             placed.permit.queued_for.as_millis().to_string(),
         ),
-    ]
+    ];
+    if let Some(h) = &placed.permit.budget {
+        out.extend_from_slice(h.headers());
+    }
+    out
 }
 
 async fn handle(

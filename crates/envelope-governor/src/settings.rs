@@ -143,15 +143,7 @@ impl Default for TenantsFile {
 }
 
 /// The longest tenant name a trusted header may carry.
-pub const MAX_TENANT_NAME: usize = 64;
-
-/// A tenant name from a trusted header: 1 to 64 of `A-Z a-z 0-9 . _ - : @`.
-pub fn valid_tenant_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_TENANT_NAME
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-:@".contains(&b))
-}
+pub use crate::names::{valid_tenant_name, MAX_TENANT_NAME};
 
 impl TenantsFile {
     pub fn from_toml(text: &str, path: &str) -> Result<TenantsFile, String> {
@@ -311,6 +303,8 @@ pub struct Settings {
     pub image_part_tokens: u64,
     /// Prompt tokens charged per audio part of a chat message.
     pub audio_part_tokens: u64,
+    /// Budgets over time per tenant and feature (`--budgets`).
+    pub budgets: Option<std::sync::Arc<crate::budget::Budgets>>,
 }
 
 /// The GET paths forwarded by default: model listing and health.
@@ -373,6 +367,7 @@ impl Settings {
             max_counting: 64,
             image_part_tokens: 2048,
             audio_part_tokens: 2048,
+            budgets: None,
         }
     }
 

@@ -102,6 +102,22 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         });
     }
     let mut state = AppState::new(gov.clone(), &upstream, counter);
+    if let Some(url) = &args.budget_store {
+        let timeout = Duration::from_millis(args.budget_store_timeout_ms.unwrap_or(50));
+        state.budget_store =
+            Arc::new(crate::budget::Store::redis(url, timeout).map_err(StartError::Invalid)?);
+    }
+    match (&args.budgets, &args.budget_store) {
+        (Some(b), _) => tracing::info!(
+            "budgets over time from {}: buckets {}",
+            b.display(),
+            state.budget_store.describe()
+        ),
+        (None, Some(_)) => {
+            tracing::warn!("--budget-store without --budgets: no budget to keep there")
+        }
+        (None, None) => {}
+    }
     let reload: crate::ReloadHook = {
         let gov = gov.clone();
         let args = args.clone();
@@ -140,11 +156,12 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
         );
     }
-    // Hot reload: SIGHUP and a change of the profile or the tenants file.
+    // Hot reload: SIGHUP and a change of the profile, tenants or budgets file.
     {
         let reload = reload.clone();
         let paths: Vec<PathBuf> = std::iter::once(profile_path.clone())
             .chain(args.tenants.clone())
+            .chain(args.budgets.clone())
             .collect();
         let mtimes = move || paths.iter().map(|p| mtime(p)).collect::<Vec<_>>();
         tokio::spawn(async move {

@@ -152,8 +152,39 @@ impl Flow {
         }
     }
 
+    /// Settles the request's budgets with what it used: the upstream's
+    /// `usage` when the body ends with it; else, for a stream, one data
+    /// event per token (at most what was reserved), and for a body without
+    /// usage or cut short, everything reserved. An answer that is not a
+    /// 2xx used nothing: its hold drops and gives everything back.
+    fn bill(&mut self, whole: bool) {
+        let Some(hold) = self.permit.as_mut().and_then(|p| p.budget.take()) else {
+            return;
+        };
+        if !self.ok {
+            return;
+        }
+        let r = hold.reserved();
+        let tail = String::from_utf8_lossy(&self.tail);
+        let prompt = find_number(&tail, "\"prompt_tokens\"");
+        let completion = find_number(&tail, "\"completion_tokens\"");
+        let output_tokens = match completion {
+            Some(c) => c,
+            // Less the closing `[DONE]` of a whole stream.
+            None if self.sse => {
+                (self.events - u64::from(whole).min(self.events)).min(r.output_tokens)
+            }
+            None => r.output_tokens,
+        };
+        hold.settle(crate::budget::Used {
+            input_tokens: prompt.unwrap_or(r.input_tokens),
+            output_tokens,
+        });
+    }
+
     fn settle(&mut self) {
         self.tell(true);
+        self.bill(true);
         if self.ok {
             if let Some(p) = &self.permit {
                 let (ttft, itl, e2e) = self.timings();
@@ -229,6 +260,7 @@ impl Drop for Flow {
     /// A client that went away: the stream did not end whole.
     fn drop(&mut self) {
         self.tell(false);
+        self.bill(false);
     }
 }
 
@@ -328,6 +360,7 @@ pub(crate) fn stream_back_with(
             tracing::info!(kind = stop.code(), "response ended: {message}");
         }
         // Release now, not when the client finally drops the body.
+        f.bill(false);
         f.permit.take();
         if f.sse {
             let body = serde_json::json!({"error": {"message": message,

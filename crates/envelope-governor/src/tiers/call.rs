@@ -7,7 +7,7 @@
 use super::book::{Outcome, Story, Tag};
 use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
 use super::check::{check, read_answer, Answer, Expect, Usage};
-use super::config::{valid_name, Check, OutOfTime, StreamMode};
+use super::config::{Check, OutOfTime, StreamMode};
 use super::cost::NO_FEATURE;
 use super::live::{Live, Router, Upstream};
 use super::metrics::labels;
@@ -23,28 +23,10 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub const FEATURE_HEADER: &str = "x-envelope-feature";
+pub use crate::identity::{named, FEATURE_HEADER};
 pub const HINT_HEADER: &str = "x-envelope-tier-hint";
 pub const CONVERSATION_HEADER: &str = "x-envelope-conversation";
 pub const NO_TRUNCATION_HEADER: &str = "x-envelope-no-truncation";
-
-/// A header's value as a name (feature, hint, conversation).
-fn named(h: &HeaderMap, header: &str) -> Result<Option<String>, GovernError> {
-    match h.get(header) {
-        None => Ok(None),
-        Some(v) => {
-            let s = v.to_str().unwrap_or("").trim();
-            if valid_name(s) {
-                Ok(Some(s.to_string()))
-            } else {
-                Err(GovernError::invalid(
-                    None,
-                    format!("header {header} must hold 1 to 64 of A-Z a-z 0-9 . _ - : @ /"),
-                ))
-            }
-        }
-    }
-}
 
 fn truthy(h: &HeaderMap, header: &str) -> bool {
     h.get(header)

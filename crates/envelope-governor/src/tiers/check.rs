@@ -7,14 +7,7 @@
 use super::config::Check;
 use serde_json::{Map, Value};
 
-/// Token use as the upstream reported it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt: u64,
-    pub completion: u64,
-    /// Prompt tokens served from the upstream's prefix cache.
-    pub cached: u64,
-}
+pub use crate::price::Usage;
 
 /// The first choice of an answer, put back together.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -72,21 +72,7 @@ pub struct UpstreamSpec {
     pub tokenizer: Option<PathBuf>,
 }
 
-/// Cost units per call: per million tokens of each kind, or per
-/// GPU-second (a call's tokens over the profile's throughput at the safe
-/// point).
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PriceSpec {
-    #[serde(default)]
-    pub input_per_mtok: Option<f64>,
-    #[serde(default)]
-    pub cached_input_per_mtok: Option<f64>,
-    #[serde(default)]
-    pub output_per_mtok: Option<f64>,
-    #[serde(default)]
-    pub gpu_second: Option<f64>,
-}
+pub use crate::price::PriceSpec;
 
 /// A rule: when every condition it sets holds, the call starts on `tier`
 /// (the most capable tier any matching rule names wins).
@@ -262,15 +248,7 @@ impl Default for ShadowSpec {
     }
 }
 
-/// Feature names in headers and labels.
-pub const MAX_FEATURE_NAME: usize = 64;
-
-pub fn valid_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_FEATURE_NAME
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-:@/".contains(&b))
-}
+pub use crate::identity::{valid_name, MAX_FEATURE_NAME};
 
 impl TiersFile {
     /// Parses and validates `text`, read from `path`; relative paths in it

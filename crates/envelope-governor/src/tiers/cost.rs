@@ -4,92 +4,10 @@
 //! cost, escalations and latency per feature and tier, and the features
 //! whose mean cost per call is over their allowance.
 
-use super::check::Usage;
-use super::config::{FeatureSpec, PriceSpec};
-use envelope_profile::Profile;
+use super::config::FeatureSpec;
+pub use crate::price::{safe_point_tok_per_s, Price};
 use serde::Serialize;
 use std::collections::BTreeMap;
-
-/// A tier's price, ready to apply.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Price {
-    Free,
-    /// Cost units per million tokens.
-    Tokens {
-        input: f64,
-        cached_input: f64,
-        output: f64,
-    },
-    /// Cost units per GPU-second; the node serves `tok_per_s` tokens a
-    /// second at its safe point.
-    GpuSecond {
-        price: f64,
-        tok_per_s: f64,
-    },
-}
-
-/// The node's tokens per second at its safe point: the mean over the
-/// selected configuration's buckets of the total throughput measured at
-/// the largest feasible concurrency.
-pub fn safe_point_tok_per_s(p: &Profile) -> Option<f64> {
-    let c = p.configs.iter().find(|c| c.name == p.selected)?;
-    let rates: Vec<f64> = c
-        .buckets
-        .iter()
-        .filter_map(|b| b.at_feasible.as_ref())
-        .map(|s| s.total_tok_per_s)
-        .filter(|r| r.is_finite() && *r > 0.0)
-        .collect();
-    (!rates.is_empty()).then(|| rates.iter().sum::<f64>() / rates.len() as f64)
-}
-
-impl Price {
-    /// The price of `spec` for an upstream with `profile`.
-    ///
-    /// # Errors
-    /// A GPU-second price for a profile that measured no throughput.
-    pub fn new(spec: Option<&PriceSpec>, profile: &Profile) -> Result<Price, String> {
-        let Some(s) = spec else {
-            return Ok(Price::Free);
-        };
-        if let Some(price) = s.gpu_second {
-            let tok_per_s = safe_point_tok_per_s(profile).ok_or_else(|| {
-                format!(
-                    "gpu_second: the profile {} has no throughput measured at its safe point",
-                    profile.selected
-                )
-            })?;
-            return Ok(Price::GpuSecond { price, tok_per_s });
-        }
-        let input = s.input_per_mtok.unwrap_or(0.0);
-        Ok(Price::Tokens {
-            input,
-            cached_input: s.cached_input_per_mtok.unwrap_or(input),
-            output: s.output_per_mtok.unwrap_or(0.0),
-        })
-    }
-
-    /// The cost of one attempt that used `u`.
-    pub fn cost(&self, u: Usage) -> f64 {
-        match *self {
-            Price::Free => 0.0,
-            Price::Tokens {
-                input,
-                cached_input,
-                output,
-            } => {
-                let cached = u.cached.min(u.prompt);
-                ((u.prompt - cached) as f64 * input
-                    + cached as f64 * cached_input
-                    + u.completion as f64 * output)
-                    / 1e6
-            }
-            Price::GpuSecond { price, tok_per_s } => {
-                (u.prompt + u.completion) as f64 / tok_per_s * price
-            }
-        }
-    }
-}
 
 /// One row of the book: what a feature spent on a tier.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -214,6 +132,8 @@ impl Book {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::price::{PriceSpec, Usage};
+    use envelope_profile::Profile;
 
     #[test]
     fn token_prices_charge_each_kind() {

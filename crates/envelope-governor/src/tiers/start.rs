@@ -37,6 +37,12 @@ pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
                 .into(),
         ));
     }
+    if args.budgets.is_some() || args.budget_store.is_some() {
+        return Err(StartError::Invalid(
+            "--budgets: budgets over time are not kept with --tiers yet (run them on a governor without tiers)"
+                .into(),
+        ));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
