@@ -17,6 +17,9 @@ bash scripts/fetch-model.sh
 stage "module cycles and file sizes (no crate's modules import each other; no source over 800 lines)"
 python3 scripts/module-cycles.py
 
+stage "kubernetes files (deploy/, offline schemas)"
+bash scripts/validate-deploy.sh
+
 stage "fmt and clippy"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
