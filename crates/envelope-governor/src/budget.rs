@@ -169,8 +169,10 @@ pub struct Used {
 }
 
 /// A reservation against budgets, held while the request runs. Dropped
-/// unsettled (refused by the queue, the upstream unreachable), it gives
-/// everything back.
+/// unsettled before the request was sent (refused by the queue), it gives
+/// everything back; once sent, the upstream may have done the work (a
+/// client that gave up before the answer, a timeout), so it keeps it all
+/// unless [`Hold::refund`] says the upstream was never reached.
 pub struct Hold {
     store: Arc<Store>,
     lines: Vec<Line>,
@@ -182,6 +184,7 @@ pub struct Hold {
     headers: Vec<(&'static str, String)>,
     metrics_settle_errors: prometheus_client::metrics::counter::Counter,
     done: bool,
+    sent: std::sync::atomic::AtomicBool,
 }
 
 impl Hold {
@@ -193,6 +196,22 @@ impl Hold {
     /// What was reserved.
     pub fn reserved(&self) -> Amounts {
         self.reserved
+    }
+
+    /// The request goes upstream now: from here a drop keeps everything.
+    pub fn mark_sent(&self) {
+        self.sent.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Gives everything back (the upstream was never reached).
+    pub fn refund(mut self) {
+        self.give_back(None);
+    }
+
+    /// The upstream refused the request (a non-2xx answer): the request
+    /// counts, its tokens go back.
+    pub fn refused_upstream(self) {
+        self.settle(Used::default());
     }
 
     /// Settles with what the request used: the rest goes back (usage over
@@ -255,6 +274,10 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
+        if self.sent.load(std::sync::atomic::Ordering::Acquire) {
+            // Sent, never settled: charged what was reserved.
+            self.done = true;
+        }
         self.give_back(None);
     }
 }
@@ -368,6 +391,7 @@ pub async fn reserve(
             .get_or_create(&label("op", "settle"))
             .clone(),
         done: false,
+        sent: std::sync::atomic::AtomicBool::new(false),
     }))
 }
 

@@ -547,6 +547,28 @@ pub(crate) async fn place(
         None => None,
         Some(b) => {
             let feature = identity::named(&inc.parts.headers, identity::FEATURE_HEADER)?;
+            // A max_tokens the governor chose (injected or clamped) also
+            // fits the tightest output budget, rather than reserve more of
+            // it than the budget holds.
+            let cap = b.output_capacity(&who.tenant, feature.as_deref());
+            if let Some(cap) = cap.filter(|_| plan.decision != OutputDecision::Kept) {
+                let per_seq = (cap / plan.demand.seqs.max(1) as f64).floor() as u64;
+                if per_seq >= 1 && plan.max_tokens > per_seq {
+                    let decision = plan.decision;
+                    let fitted = policy::plan(
+                        &settings.limits,
+                        settings.over_limit,
+                        settings.beyond,
+                        parsed.endpoint,
+                        &counts,
+                        Some(per_seq),
+                        parsed.n,
+                    );
+                    if let Some(p) = fitted.ok().filter(|p| p.fits(&current)) {
+                        plan = crate::policy::Plan { decision, ..p };
+                    }
+                }
+            }
             let output_tokens = plan.max_tokens.saturating_mul(plan.demand.seqs);
             let a = crate::budget::Amounts {
                 input_tokens: plan.prompt_tokens,
@@ -621,6 +643,9 @@ pub(crate) async fn send(
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
         .min(inc.end.saturating_duration_since(Instant::now()));
     s.gov.note_added_latency(inc.arrived.elapsed());
+    if let Some(h) = &placed.permit.budget {
+        h.mark_sent();
+    }
     let send = s.client.post(&url).headers(headers).body(body).send();
     let mut cut = s.gov.cut_signal();
     tokio::select! {
@@ -675,12 +700,23 @@ async fn handle(
     who: &Identity,
 ) -> Result<Response, GovernError> {
     let inc = read_request(settings, endpoint, req, arrived, who.class).await?;
-    let placed = place(s, settings, &inc, who, Wait::UntilDeadline, inc.deadline)
+    let mut placed = place(s, settings, &inc, who, Wait::UntilDeadline, inc.deadline)
         .await?
         .expect("a request allowed to wait is placed or refused");
     let sent_at = Instant::now();
     // On an error the permit drops with this scope: the reservation is released.
-    let resp = send(s, settings, &inc, &inc.bytes, &inc.parsed, &placed).await?;
+    let resp = match send(s, settings, &inc, &inc.bytes, &inc.parsed, &placed).await {
+        Ok(r) => r,
+        Err(e) => {
+            // Never reached: budgets get everything back (a timeout keeps it).
+            if matches!(e, GovernError::UpstreamUnreachable(_)) {
+                if let Some(h) = placed.permit.budget.take() {
+                    h.refund();
+                }
+            }
+            return Err(e);
+        }
+    };
     let extra = placed_headers(&placed);
     Ok(flow::stream_back(
         s,

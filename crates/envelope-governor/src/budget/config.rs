@@ -197,6 +197,24 @@ impl Budgets {
     /// name that is not valid, a price without its contract's version.
     pub fn from_toml(text: &str, path: &str, profile: &Profile) -> Result<Budgets, String> {
         let f: FileSpec = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
+        if let Some(p) = &f.price {
+            let fields = [
+                ("input_per_mtok", p.input_per_mtok),
+                ("cached_input_per_mtok", p.cached_input_per_mtok),
+                ("output_per_mtok", p.output_per_mtok),
+                ("gpu_second", p.gpu_second),
+            ];
+            if fields.iter().all(|(_, v)| v.is_none()) {
+                return Err(format!("{path}: price: sets no price"));
+            }
+            for (name, v) in fields {
+                if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+                    return Err(format!(
+                        "{path}: price.{name}: must be a finite number >= 0"
+                    ));
+                }
+            }
+        }
         let price = Price::new(f.price.as_ref(), profile).map_err(|e| format!("{path}: {e}"))?;
         if f.price.is_some()
             && f.prices_version
@@ -222,8 +240,14 @@ impl Budgets {
                 let mut limits = Vec::new();
                 for k in Kind::ALL {
                     if let Some(v) = spec.limit(k) {
-                        if !(v.is_finite() && v > 0.0) {
-                            return Err(format!("{at}.{}: must be a number > 0", k.field()));
+                        let least = if k == Kind::Cost {
+                            f64::MIN_POSITIVE
+                        } else {
+                            1.0
+                        };
+                        if !(v.is_finite() && v >= least) {
+                            let want = if k == Kind::Cost { "> 0" } else { ">= 1" };
+                            return Err(format!("{at}.{}: must be a number {want}", k.field()));
                         }
                         limits.push((k, v));
                     }
@@ -257,6 +281,18 @@ impl Budgets {
             tenants,
             features,
         })
+    }
+
+    /// The least output tokens per minute an enforced budget of `tenant`
+    /// and `feature` holds.
+    pub fn output_capacity(&self, tenant: &str, feature: Option<&str>) -> Option<f64> {
+        self.rules_for(tenant, feature)
+            .into_iter()
+            .filter(|(r, _)| r.mode == Mode::Enforce)
+            .flat_map(|(r, _)| r.limits.iter().copied())
+            .filter(|(k, _)| *k == Kind::OutputTokens)
+            .map(|(_, v)| v)
+            .reduce(f64::min)
     }
 
     /// The budgets a request of `tenant` with `feature` is charged to, each
@@ -370,6 +406,18 @@ mode = "shadow"
                 "cost_per_day: needs a [price]",
             ),
             (format!("{GOOD}\nsurprise = 1\n"), "unknown field"),
+            (
+                GOOD.replace("requests_per_minute = 60", "requests_per_minute = 0.5"),
+                "requests_per_minute: must be a number >= 1",
+            ),
+            (
+                GOOD.replace("output_per_mtok = 2.0", "output_per_mtok = nan"),
+                "price.output_per_mtok",
+            ),
+            (
+                GOOD.replace("input_per_mtok = 1.0\noutput_per_mtok = 2.0", ""),
+                "price: sets no price",
+            ),
         ] {
             let e = Budgets::from_toml(&text, "b.toml", &profile()).unwrap_err();
             assert!(e.contains(want) && e.contains("b.toml"), "{want}: {e}");

@@ -245,7 +245,18 @@ impl Store {
     /// # Errors
     /// The URL is not a Redis URL.
     pub fn redis(url: &str, timeout: Duration) -> Result<Store, String> {
-        let client = redis::Client::open(url).map_err(|e| format!("--budget-store {url}: {e}"))?;
+        use redis::IntoConnectionInfo;
+        // A peer that vanished without a reset (a replaced pod, dropped
+        // packets) fails the socket within 2 s, and the manager reconnects;
+        // without it a half-open connection times out every decision.
+        let tcp = redis::io::tcp::TcpSettings::default()
+            .set_nodelay(true)
+            .set_user_timeout(Duration::from_secs(2));
+        let info = url
+            .into_connection_info()
+            .map_err(|e| format!("--budget-store {url}: {e}"))?
+            .set_tcp_settings(tcp);
+        let client = redis::Client::open(info).map_err(|e| format!("--budget-store {url}: {e}"))?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(100))))
             .set_response_timeout(Some(timeout))

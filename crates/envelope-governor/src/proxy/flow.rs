@@ -156,12 +156,13 @@ impl Flow {
     /// `usage` when the body ends with it; else, for a stream, one data
     /// event per token (at most what was reserved), and for a body without
     /// usage or cut short, everything reserved. An answer that is not a
-    /// 2xx used nothing: its hold drops and gives everything back.
+    /// 2xx used no tokens (the request still counts).
     fn bill(&mut self, whole: bool) {
         let Some(hold) = self.permit.as_mut().and_then(|p| p.budget.take()) else {
             return;
         };
         if !self.ok {
+            hold.refused_upstream();
             return;
         }
         let r = hold.reserved();
