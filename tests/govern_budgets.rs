@@ -16,6 +16,17 @@ use std::time::{Duration, Instant};
 /// The Redis tests start several processes each: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// `n` governors, each in its own directory under `root`, sharing the
+/// budgets in the Redis at `url`.
+fn replicas(n: usize, root: &Path, upstream: &str, budgets: &str, url: &str) -> Vec<Governor> {
+    (0..n)
+        .map(|i| {
+            let dir = root.join(format!("g{i}"));
+            govern(&dir, upstream, budgets, &["--budget-store", url])
+        })
+        .collect()
+}
+
 fn govern(dir: &Path, upstream: &str, budgets: &str, extra: &[&str]) -> Governor {
     std::fs::create_dir_all(dir).unwrap();
     let p = profile(dir, "p", 256, 64, 8);
@@ -31,20 +42,6 @@ fn ask(text: &str, max_tokens: u64) -> Value {
     let mut b = common::tiers::ask(text, max_tokens);
     b["model"] = json!("tiny");
     b
-}
-
-/// A series' value in the governor's `/metrics` (0 when absent).
-async fn metric(g: &Governor, series: &str) -> f64 {
-    let text = reqwest::get(g.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map(|v| v.trim().parse().unwrap())
-        .unwrap_or(0.0)
 }
 
 /// Output tokens the upstream generated for the client (`usage`, at the
@@ -141,9 +138,7 @@ output_tokens_per_minute = 40
     assert_eq!(a.header("retry-after"), ms.div_ceil(1000).to_string());
     assert_eq!(a.header("x-ratelimit-remaining-requests"), "0");
     assert!(
-        metric(
-            &g,
-            "envelope_governor_budget_refusals_total{budget=\"tenant:default:requests_per_minute\"}"
+        g.metric("envelope_governor_budget_refusals_total{budget=\"tenant:default:requests_per_minute\"}"
         )
         .await
             >= 1.0
@@ -168,17 +163,7 @@ async fn three_replicas_share_a_budget_through_redis_and_never_overrun_it() {
     let root = temp_dir("envelope-budgets", "replicas");
     // 160 output tokens a minute: ten calls of 16, for all replicas together.
     let budgets = "[tenants.default]\noutput_tokens_per_minute = 160\n";
-    let url = redis.url();
-    let gs: Vec<Governor> = (0..3)
-        .map(|i| {
-            govern(
-                &root.join(format!("g{i}")),
-                &up.base,
-                budgets,
-                &["--budget-store", &url],
-            )
-        })
-        .collect();
+    let gs = replicas(3, &root, &up.base, budgets, &redis.url());
     let start = Instant::now();
     // 45 calls at once, 15 on each replica, every other one streaming.
     let calls = (0..45).map(|i| call(&gs[i % 3], i % 2 == 0, None));
@@ -205,9 +190,7 @@ async fn three_replicas_share_a_budget_through_redis_and_never_overrun_it() {
     }
     // Every replica both admitted and refused: the budget is one.
     for g in &gs {
-        let r = metric(
-            g,
-            "envelope_governor_budget_refusals_total{budget=\"tenant:default:output_tokens_per_minute\"}",
+        let r = g.metric("envelope_governor_budget_refusals_total{budget=\"tenant:default:output_tokens_per_minute\"}",
         )
         .await;
         assert!(r >= 1.0, "a replica refused nothing: {}", g.log());
@@ -256,11 +239,9 @@ on_store_error = "closed"
     assert_eq!(status, 503, "fails closed: {:?}", a.body);
     assert_eq!(a.header("x-envelope-reason"), "budget_store_unavailable");
     assert_eq!(a.header("retry-after"), "1");
-    let errors = metric(
-        &g,
-        "envelope_governor_budget_store_errors_total{op=\"decide\"}",
-    )
-    .await;
+    let errors = g
+        .metric("envelope_governor_budget_store_errors_total{op=\"decide\"}")
+        .await;
     assert!(errors >= 2.0, "{errors}");
     assert!(g.log().contains("unreachable"), "{}", g.log());
     // Back: the closed budget admits again once the connection is remade.
@@ -290,17 +271,7 @@ async fn shadow_budgets_refuse_nothing_and_count_what_they_would_have() {
     let up = dummy(0, "tiny");
     let root = temp_dir("envelope-budgets", "shadow");
     let budgets = "[tenants.default]\nrequests_per_minute = 2\nmode = \"shadow\"\n";
-    let url = redis.url();
-    let gs: Vec<Governor> = (0..2)
-        .map(|i| {
-            govern(
-                &root.join(format!("g{i}")),
-                &up.base,
-                budgets,
-                &["--budget-store", &url],
-            )
-        })
-        .collect();
+    let gs = replicas(2, &root, &up.base, budgets, &redis.url());
     for i in 0..5 {
         let (status, _, a) = call(&gs[i % 2], false, None).await;
         assert_eq!(status, 200, "{:?}", a.body);
@@ -308,13 +279,10 @@ async fn shadow_budgets_refuse_nothing_and_count_what_they_would_have() {
     let series = "envelope_governor_budget_shadow_refusals_total{budget=\"tenant:default:requests_per_minute\"}";
     let mut would = 0.0;
     for g in &gs {
-        would += metric(g, series).await;
+        would += g.metric(series).await;
         assert_eq!(
-            metric(
-                g,
-                "envelope_governor_rejections_total{reason=\"budget_exceeded\"}"
-            )
-            .await,
+            g.metric("envelope_governor_rejections_total{reason=\"budget_exceeded\"}")
+                .await,
             0.0
         );
     }

@@ -23,6 +23,17 @@ pub fn smollm2() -> String {
     p.display().to_string()
 }
 
+/// A series' value (`name` or `name{labels}`) in the Prometheus text at
+/// `url`, and the text.
+pub async fn sample(url: &str, series: &str) -> (Option<f64>, String) {
+    let text = reqwest::get(url).await.unwrap().text().await.unwrap();
+    let v = text
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.trim().parse::<f64>().unwrap());
+    (v, text)
+}
+
 pub struct Server {
     child: Child,
     pub base: String,
@@ -60,19 +71,8 @@ impl Server {
 
     /// The value of an unlabelled sample in `/metrics`.
     pub async fn metric(&self, name: &str) -> f64 {
-        let text = reqwest::get(self.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix(name)
-                    .and_then(|rest| rest.strip_prefix(' '))
-                    .map(|v| v.trim().parse::<f64>().unwrap())
-            })
-            .unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
+        let (value, text) = sample(&self.url("/metrics"), name).await;
+        value.unwrap_or_else(|| panic!("{name} not in /metrics:\n{text}"))
     }
 
     /// Polls until `f` is true or `timeout` passes.
@@ -146,6 +146,12 @@ impl Governor {
 
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
+    }
+
+    /// A series' value in the governor's `/metrics` (0 when absent: a
+    /// counter never bumped is not written).
+    pub async fn metric(&self, series: &str) -> f64 {
+        sample(&self.url("/metrics"), series).await.0.unwrap_or(0.0)
     }
 
     /// What the governor wrote to stderr so far.
