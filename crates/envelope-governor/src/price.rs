@@ -30,6 +30,36 @@ pub struct PriceSpec {
     pub gpu_second: Option<f64>,
 }
 
+impl PriceSpec {
+    /// Checks one price contract; `at` names it in the message
+    /// (`tiers.fast.price`, `b.toml: price`).
+    ///
+    /// # Errors
+    /// A negative or non-finite number, per-token prices mixed with
+    /// `gpu_second` (two contracts), or no price at all.
+    pub fn check(&self, at: &str) -> Result<(), String> {
+        let per_token = [
+            ("input_per_mtok", self.input_per_mtok),
+            ("cached_input_per_mtok", self.cached_input_per_mtok),
+            ("output_per_mtok", self.output_per_mtok),
+        ];
+        for (k, v) in per_token.iter().chain([&("gpu_second", self.gpu_second)]) {
+            if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
+                return Err(format!("{at}.{k}: must be a finite number >= 0"));
+            }
+        }
+        match (per_token.iter().any(|(_, v)| v.is_some()), self.gpu_second) {
+            (true, Some(_)) => Err(format!(
+                "{at}: per-token prices and gpu_second are two contracts; give one"
+            )),
+            (false, None) => Err(format!(
+                "{at}: sets no price: give input_per_mtok and output_per_mtok, or gpu_second"
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A tier's price, ready to apply.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Price {

@@ -198,22 +198,7 @@ impl Budgets {
     pub fn from_toml(text: &str, path: &str, profile: &Profile) -> Result<Budgets, String> {
         let f: FileSpec = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
         if let Some(p) = &f.price {
-            let fields = [
-                ("input_per_mtok", p.input_per_mtok),
-                ("cached_input_per_mtok", p.cached_input_per_mtok),
-                ("output_per_mtok", p.output_per_mtok),
-                ("gpu_second", p.gpu_second),
-            ];
-            if fields.iter().all(|(_, v)| v.is_none()) {
-                return Err(format!("{path}: price: sets no price"));
-            }
-            for (name, v) in fields {
-                if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
-                    return Err(format!(
-                        "{path}: price.{name}: must be a finite number >= 0"
-                    ));
-                }
-            }
+            p.check(&format!("{path}: price"))?;
         }
         let price = Price::new(f.price.as_ref(), profile).map_err(|e| format!("{path}: {e}"))?;
         if f.price.is_some()
@@ -417,6 +402,13 @@ mode = "shadow"
             (
                 GOOD.replace("input_per_mtok = 1.0\noutput_per_mtok = 2.0", ""),
                 "price: sets no price",
+            ),
+            (
+                GOOD.replace(
+                    "output_per_mtok = 2.0",
+                    "output_per_mtok = 2.0\ngpu_second = 1.0",
+                ),
+                "price: per-token prices and gpu_second are two contracts",
             ),
         ] {
             let e = Budgets::from_toml(&text, "b.toml", &profile()).unwrap_err();

@@ -331,32 +331,7 @@ impl TiersFile {
             }
             if let Some(p) = &t.price {
                 priced = true;
-                let f = format!("tiers.{name}.price");
-                let per_token = [p.input_per_mtok, p.cached_input_per_mtok, p.output_per_mtok];
-                let parts = [
-                    ("input_per_mtok", p.input_per_mtok),
-                    ("cached_input_per_mtok", p.cached_input_per_mtok),
-                    ("output_per_mtok", p.output_per_mtok),
-                    ("gpu_second", p.gpu_second),
-                ];
-                for (k, v) in parts {
-                    if v.is_some_and(|v| !v.is_finite() || v < 0.0) {
-                        return Err(format!("{f}.{k}: must be a finite number >= 0"));
-                    }
-                }
-                match (per_token.iter().any(Option::is_some), p.gpu_second) {
-                    (true, Some(_)) => {
-                        return Err(format!(
-                            "{f}: per-token prices and gpu_second are two contracts; give one"
-                        ))
-                    }
-                    (false, None) => {
-                        return Err(format!(
-                            "{f}: give input_per_mtok and output_per_mtok, or gpu_second"
-                        ))
-                    }
-                    _ => {}
-                }
+                p.check(&format!("tiers.{name}.price"))?;
             }
         }
         if priced
