@@ -42,41 +42,192 @@ pub fn write_kv<T: KvElem>(
 }
 
 #[inline(always)]
-fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
-    // Eight independent lanes so the compiler emits vector FMAs (AVX2 with
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent lanes so the compiler emits vector code (AVX2 with
     // x86-64-v3); chunks_exact removes the per-element bounds checks.
+    // Multiply then add, not fused: the rounding candle's reference has
+    // (tests/reference_logits compares 16 greedy tokens with it).
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac
         .remainder()
         .iter()
         .zip(bc.remainder())
-        .map(|(x, y)| x * y.to_f32())
+        .map(|(x, y)| x * y)
         .sum();
     for (x, y) in ac.zip(bc) {
         for j in 0..8 {
-            acc[j] += x[j] * y[j].to_f32();
+            acc[j] += x[j] * y[j];
+        }
+    }
+    // A tree, not a chain of seven dependent adds.
+    let h: [f32; 4] = std::array::from_fn(|j| acc[j] + acc[j + 4]);
+    (h[0] + h[2]) + (h[1] + h[3]) + tail
+}
+
+#[inline(always)]
+fn axpy(out: &mut [f32], p: f32, v: &[f32]) {
+    for (o, x) in out.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
+        for j in 0..8 {
+            o[j] += p * x[j];
+        }
+    }
+    let done = out.len() / 8 * 8;
+    for (o, x) in out[done..].iter_mut().zip(&v[done..]) {
+        *o += p * x;
+    }
+}
+
+/// The largest value of `xs` (eight lanes, so it vectorises).
+#[inline(always)]
+fn max_of(xs: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        for j in 0..8 {
+            m[j] = if c[j] > m[j] { c[j] } else { m[j] };
+        }
+    }
+    m.iter().copied().fold(tail, f32::max)
+}
+
+/// `exp(x)` for `x <= 0` (softmax after subtracting the maximum), within
+/// 2 ulp of `f32::exp`, in arithmetic the compiler vectorises: with
+/// `x = n ln2 + r` and `|r| <= ln2 / 2`, `exp(r)` comes from its degree-7
+/// Taylor polynomial, scaled by `2^n` through the exponent bits. Below
+/// -87.3 it returns e^-87.3 (1.2e-38, near the smallest normal f32)
+/// instead of a denormal or zero.
+#[inline(always)]
+fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.3);
+    let n = (x * LOG2E).round_ties_even();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let mut p: f32 = 1.0 / 5040.0;
+    p = p.mul_add(r, 1.0 / 720.0);
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// Replaces each `x` by `exp(x - max)` and returns their sum.
+#[inline(always)]
+fn exp_and_sum(xs: &mut [f32], max: f32) -> f32 {
+    for x in xs.iter_mut() {
+        *x = exp_neg(*x - max);
+    }
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for j in 0..8 {
+            acc[j] += c[j];
         }
     }
     acc.iter().sum::<f32>() + tail
 }
 
+/// Positions per attention share. Fixed, so a token's attention is the
+/// same arithmetic whatever else is in the step (batched, prefilled or
+/// recomputed after preemption, its output is bit for bit the same).
+const SHARE: usize = 128;
+
+/// Calls `f(position - p0, offset of its K/V head in the layer)` for each
+/// position in `p0..p1`, walking the blocks (inside a block, slots are
+/// contiguous).
 #[inline(always)]
-fn axpy<T: KvElem>(out: &mut [f32], p: f32, v: &[T]) {
-    for (o, x) in out.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
-        for j in 0..8 {
-            o[j] += p * x[j].to_f32();
+fn for_each_slot(
+    g: &KvGeometry,
+    s: TokenSlot,
+    kvh: usize,
+    (p0, p1): (usize, usize),
+    mut f: impl FnMut(usize, usize),
+) {
+    let stride = g.token_stride();
+    let mut p = p0;
+    while p < p1 {
+        let block = s.block_table[p / g.block_size];
+        let end = p1.min((p / g.block_size + 1) * g.block_size);
+        let base = g.offset(block, 0) + kvh * g.head_dim;
+        for pos in p..end {
+            f(pos - p0, base + (pos % g.block_size) * stride);
+        }
+        p = end;
+    }
+}
+
+/// One task's share: the group's query heads of token `tok` over KV head
+/// `kvh`, positions `p0..p1`. When the share is the token's whole context
+/// (`whole`), `out` is the attention output. Otherwise the scores stay
+/// unnormalised: `max[h]` and `sum[h]` (of `exp(score - max)`) come back
+/// with `out` = the `exp`-weighted sum of values, so the shares of one
+/// token merge exactly (the flash-decoding split).
+struct Share {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    out: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_share<T: KvElem>(
+    g: &KvGeometry,
+    layer: &LayerKv<T>,
+    s: TokenSlot,
+    qs: &[f32],
+    kvh: usize,
+    (p0, p1): (usize, usize),
+    whole: bool,
+    scale: f32,
+    out: &mut [f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let hd = g.head_dim;
+    let group = qs.len() / hd;
+    let n = p1 - p0;
+    let mut scores = vec![0f32; group * n];
+    let mut buf = vec![0f32; hd];
+    for_each_slot(g, s, kvh, (p0, p1), |t, at| {
+        let key = T::view(&layer.k[at..at + hd], &mut buf);
+        for (h, qh) in qs.chunks_exact(hd).enumerate() {
+            scores[h * n + t] = dot(qh, key) * scale;
+        }
+    });
+    let mut maxes = vec![0f32; group];
+    let mut sums = vec![0f32; group];
+    for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+        let max = max_of(row);
+        maxes[h] = max;
+        sums[h] = exp_and_sum(row, max);
+        if whole {
+            let inv = 1.0 / sums[h];
+            row.iter_mut().for_each(|x| *x *= inv);
         }
     }
-    let done = out.len() / 8 * 8;
-    for (o, x) in out[done..].iter_mut().zip(&v[done..]) {
-        *o += p * x.to_f32();
-    }
+    for_each_slot(g, s, kvh, (p0, p1), |t, at| {
+        let val = T::view(&layer.v[at..at + hd], &mut buf);
+        for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+            axpy(o, scores[h * n + t], val);
+        }
+    });
+    (maxes, sums)
 }
 
 /// Causal attention of every new token over its sequence's cached keys
 /// (positions `0..=pos`). `q` is `[tokens, num_heads * head_dim]`; the
-/// result has the same shape.
+/// result has the same shape. One task per (token, KV head, [`SHARE`]
+/// positions): the group's query heads share each key load, and a long
+/// sequence's shares run on several threads (decode of a few long
+/// sequences) before they are merged (the flash-decoding split).
 pub fn paged_attention<T: KvElem>(
     g: &KvGeometry,
     layer: &LayerKv<T>,
@@ -88,55 +239,69 @@ pub fn paged_attention<T: KvElem>(
     let group = num_heads / g.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; slots.len() * num_heads * hd];
-    // One task per (token, kv head): the group's query heads share each key load.
-    out.par_chunks_mut(group * hd)
-        .enumerate()
-        .for_each(|(task, out)| {
-            let (tok, kvh) = (task / g.num_kv_heads, task % g.num_kv_heads);
+    let q_of = |task: usize| {
+        let (tok, kvh) = (task / g.num_kv_heads, task % g.num_kv_heads);
+        let at = tok * num_heads * hd + kvh * group * hd;
+        (tok, kvh, &q[at..at + group * hd])
+    };
+    if slots.iter().all(|s| s.pos < SHARE) {
+        out.par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each(|(task, out)| {
+                let (tok, kvh, qs) = q_of(task);
+                let s = slots[tok];
+                attend_share(g, layer, s, qs, kvh, (0, s.pos + 1), true, scale, out);
+            });
+        return out;
+    }
+    // (task, first position) of every share, tasks in order.
+    let parts: Vec<(usize, usize)> = (0..slots.len() * g.num_kv_heads)
+        .flat_map(|task| {
+            let n = slots[task / g.num_kv_heads].pos + 1;
+            (0..n).step_by(SHARE).map(move |p0| (task, p0))
+        })
+        .collect();
+    let shares: Vec<Share> = parts
+        .par_iter()
+        .map(|&(task, p0)| {
+            let (tok, kvh, qs) = q_of(task);
             let s = slots[tok];
-            let n = s.pos + 1;
-            let q_base = tok * num_heads * hd + kvh * group * hd;
-            let mut scores = vec![0f32; group * n];
-            let stride = g.token_stride();
-            let qs = &q[q_base..q_base + group * hd];
-            // Walk the sequence's blocks; inside a block, slots are contiguous.
-            for (bi, &block) in s.block_table.iter().enumerate() {
-                let t0 = bi * g.block_size;
-                if t0 >= n {
-                    break;
-                }
-                let base = g.offset(block, 0) + kvh * hd;
-                for slot in 0..g.block_size.min(n - t0) {
-                    let key = &layer.k[base + slot * stride..base + slot * stride + hd];
-                    for (h, qh) in qs.chunks_exact(hd).enumerate() {
-                        scores[h * n + t0 + slot] = dot(qh, key) * scale;
-                    }
-                }
+            let p1 = (p0 + SHARE).min(s.pos + 1);
+            let whole = p0 == 0 && p1 == s.pos + 1;
+            let mut out = vec![0f32; group * hd];
+            let (max, sum) = attend_share(g, layer, s, qs, kvh, (p0, p1), whole, scale, &mut out);
+            Share { max, sum, out }
+        })
+        .collect();
+    let mut at = 0;
+    while at < parts.len() {
+        let task = parts[at].0;
+        let n = parts[at..].iter().take_while(|p| p.0 == task).count();
+        let mine = &shares[at..at + n];
+        at += n;
+        let (tok, kvh, _) = q_of(task);
+        let base = tok * num_heads * hd + kvh * group * hd;
+        if n == 1 {
+            // The whole context in one share: already the output.
+            out[base..base + group * hd].copy_from_slice(&mine[0].out);
+            continue;
+        }
+        for h in 0..group {
+            let o = &mut out[base + h * hd..base + (h + 1) * hd];
+            let max = mine
+                .iter()
+                .map(|p| p.max[h])
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for p in mine {
+                let w = exp_neg(p.max[h] - max);
+                sum += w * p.sum[h];
+                axpy(o, w, &p.out[h * hd..(h + 1) * hd]);
             }
-            for row in scores.chunks_exact_mut(n) {
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for x in row.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                let inv = 1.0 / sum;
-                row.iter_mut().for_each(|x| *x *= inv);
-            }
-            for (bi, &block) in s.block_table.iter().enumerate() {
-                let t0 = bi * g.block_size;
-                if t0 >= n {
-                    break;
-                }
-                let base = g.offset(block, 0) + kvh * hd;
-                for slot in 0..g.block_size.min(n - t0) {
-                    let val = &layer.v[base + slot * stride..base + slot * stride + hd];
-                    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-                        axpy(o, scores[h * n + t0 + slot], val);
-                    }
-                }
-            }
-        });
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|x| *x *= inv);
+        }
+    }
     out
 }
 
@@ -158,12 +323,14 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn paged_matches_dense_with_scattered_blocks_and_gqa() {
+    /// Writes `n` tokens through a block table in scattered order, then
+    /// attends the tokens at `query_pos` (all of them, or the last one
+    /// alone as in decode) and checks each head against the dense reference.
+    fn check(block_size: usize, n: usize, query_pos: &[usize]) -> Vec<f32> {
         let g = KvGeometry {
             num_layers: 1,
-            num_blocks: 8,
-            block_size: 4,
+            num_blocks: n.div_ceil(block_size) + 4,
+            block_size,
             num_kv_heads: 2,
             head_dim: 8,
         };
@@ -172,11 +339,13 @@ mod tests {
             k: vec![0f32; g.layer_elems()],
             v: vec![0f32; g.layer_elems()],
         };
-        let table = [5u32, 1, 6]; // out of order on purpose
-        let n = 10;
+        // Out of order on purpose.
+        let table: Vec<u32> = (0..n.div_ceil(block_size) as u32)
+            .map(|b| (b * 5 + 3) % g.num_blocks as u32)
+            .collect();
         let rnd = |i: usize| ((i * 7919 % 113) as f32 / 113.0) - 0.5;
         let stride = g.token_stride();
-        let k: Vec<f32> = (0..n * stride).map(rnd).collect();
+        let k: Vec<f32> = (0..n * stride).map(|i| 3.0 * rnd(i)).collect();
         let v: Vec<f32> = (0..n * stride).map(|i| rnd(i + 5000)).collect();
         let slots: Vec<TokenSlot> = (0..n)
             .map(|pos| TokenSlot {
@@ -185,9 +354,14 @@ mod tests {
             })
             .collect();
         write_kv(&g, &mut layer, &slots, &k, &v);
-        let q: Vec<f32> = (0..n * heads * 8).map(|i| rnd(i + 9000)).collect();
-        let out = paged_attention(&g, &layer, &slots, &q, heads);
-        for pos in 0..n {
+        let queries: Vec<TokenSlot> = query_pos.iter().map(|&p| slots[p]).collect();
+        // Each query depends on its position only, not on its place in the batch.
+        let q: Vec<f32> = query_pos
+            .iter()
+            .flat_map(|&p| (0..heads * 8).map(move |i| rnd(p * heads * 8 + i + 9000)))
+            .collect();
+        let out = paged_attention(&g, &layer, &queries, &q, heads);
+        for (i, &pos) in query_pos.iter().enumerate() {
             for h in 0..heads {
                 let kvh = h / 2;
                 let ks: Vec<Vec<f32>> = (0..n)
@@ -196,13 +370,53 @@ mod tests {
                 let vs: Vec<Vec<f32>> = (0..n)
                     .map(|t| v[t * stride + kvh * 8..t * stride + kvh * 8 + 8].to_vec())
                     .collect();
-                let qh = &q[(pos * heads + h) * 8..(pos * heads + h + 1) * 8];
+                let qh = &q[(i * heads + h) * 8..(i * heads + h + 1) * 8];
                 let want = reference(qh, &ks, &vs, pos);
-                let got = &out[(pos * heads + h) * 8..(pos * heads + h + 1) * 8];
+                let got = &out[(i * heads + h) * 8..(i * heads + h + 1) * 8];
                 for (a, b) in want.iter().zip(got) {
                     assert!((a - b).abs() < 1e-5, "pos {pos} head {h}: {a} vs {b}");
                 }
             }
         }
+        out
+    }
+
+    #[test]
+    fn the_vectorised_exp_is_within_two_ulp_of_std() {
+        let mut worst = 0u32;
+        let mut x = 0f32;
+        while x > -87.0 {
+            let (a, b) = (exp_neg(x), x.exp());
+            worst = worst.max(a.to_bits().abs_diff(b.to_bits()));
+            x -= 0.000_37;
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert!(exp_neg(-1e30) > 0.0 && exp_neg(-1e30) < 1.3e-38);
+        let mut row = [0.5f32, -3.0, 2.0, 1.0, 0.0, -1.0, 2.0, -7.5, 0.25, 1.5];
+        assert_eq!(max_of(&row), 2.0);
+        let want: f32 = row.iter().map(|v| (v - 2.0).exp()).sum();
+        let got = exp_and_sum(&mut row, 2.0);
+        assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+        assert!((row[1] - (-5.0f32).exp()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn paged_matches_dense_with_scattered_blocks_and_gqa() {
+        check(4, 10, &(0..10).collect::<Vec<_>>());
+    }
+
+    /// Tokens past the first share: their positions are split into shares
+    /// (block boundaries inside shares, a short last share) and merged.
+    #[test]
+    fn a_split_decode_matches_dense() {
+        let n = 3 * SHARE + 7;
+        let alone = check(16, n, &[n - 1]);
+        let batched = check(16, n, &[3, n - 1, SHARE + 1]);
+        // Bit for bit the same with other tokens in the step.
+        let w = alone.len();
+        assert_eq!(alone, batched[w..2 * w]);
+        let short = check(16, n, &[3]);
+        assert_eq!(short, batched[..w]);
     }
 }

@@ -3,6 +3,7 @@
 //! as mistral.rs ports it), so the bookkeeping is tested without tensors.
 
 use crate::precision::KvDtype;
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Blocks needed to hold `tokens` tokens.
@@ -54,11 +55,18 @@ impl BlockAllocator {
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// `src` as f32: itself when it is f32, else widened into `buf` (as
+    /// long as `src`) with the CPU's vector conversion (F16C for f16).
+    fn view<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
 }
 impl KvElem for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+    #[inline(always)]
+    fn view<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
+        src
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
@@ -71,6 +79,12 @@ impl KvElem for f16 {
         f16::to_f32(self)
     }
     #[inline(always)]
+    fn view<'a>(src: &'a [f16], buf: &'a mut [f32]) -> &'a [f32] {
+        let buf = &mut buf[..src.len()];
+        src.convert_to_f32_slice(buf);
+        buf
+    }
+    #[inline(always)]
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
@@ -79,6 +93,12 @@ impl KvElem for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn view<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> &'a [f32] {
+        let buf = &mut buf[..src.len()];
+        src.convert_to_f32_slice(buf);
+        buf
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {

@@ -3,8 +3,9 @@
 //! the development model), and none of its kernels reuse a weight block
 //! across the rows of a batch. Activations are quantised to 8 bits per block
 //! of 32 (scale rounded to f16, as ggml's Q8_0/Q8_1 do), each weight block is
-//! unpacked once and dotted with up to `ROWS` activation rows (AVX2
-//! `maddubs`/`madd`, the approach of ggml's `vec_dot_q4_1_q8_1`), and output
+//! unpacked once and dotted with up to `ROWS` activation rows (AVX-512
+//! VNNI `vpdpbusd` where the CPU has it, else AVX2 `maddubs`/`madd`, the
+//! approach of ggml's `vec_dot_q4_1_q8_1`; chosen at run time), and output
 //! rows are split across threads.
 
 use half::f16;
@@ -12,7 +13,7 @@ use rayon::prelude::*;
 
 pub const QK: usize = 32;
 /// Activation rows sharing one unpacked weight block.
-const ROWS: usize = 4;
+const ROWS: usize = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QFormat {
@@ -95,54 +96,96 @@ impl QMatrix {
     }
 }
 
-/// One block of 32 activations quantised to i8.
-#[derive(Clone, Copy)]
-#[repr(C, align(8))]
-pub struct ActBlock {
+/// Activation rows quantised to i8 per block of 32, laid out for the
+/// kernels: rows are grouped in tiles of `ROWS` (the last tile may be
+/// shorter), and inside a tile the rows' blocks are interleaved, so the
+/// `h` rows' values for weight block `b` sit together at `b * h ..`.
+pub struct Acts {
+    pub m: usize,
+    pub nb: usize,
+    qs: Vec<[i8; QK]>,
     /// Scale (f16-rounded).
-    d: f32,
+    d: Vec<f32>,
     /// d x sum(qs), rounded like ggml's Q8_1 `s` (for Q4_1's min term).
-    s: f32,
+    s: Vec<f32>,
     /// d x sum(qs), exact (for Q4_0's -8 offset).
-    ds: f32,
-    qs: [i8; QK],
+    ds: Vec<f32>,
+}
+
+/// One tile of [`Acts`]: `h` rows, block `b` of row `ri` at `b * h + ri`.
+#[derive(Clone, Copy)]
+pub struct Tile<'a> {
+    pub h: usize,
+    qs: &'a [[i8; QK]],
+    d: &'a [f32],
+    s: &'a [f32],
+    ds: &'a [f32],
+}
+
+impl Acts {
+    /// Where block `b` of row `i` is stored.
+    fn at(&self, i: usize, b: usize) -> usize {
+        let t0 = i / ROWS * ROWS;
+        let h = (self.m - t0).min(ROWS);
+        t0 * self.nb + b * h + (i - t0)
+    }
+
+    /// The tile of rows `i0..` (`i0` a multiple of `ROWS`).
+    pub fn tile(&self, i0: usize) -> Tile<'_> {
+        debug_assert_eq!(i0 % ROWS, 0);
+        let h = (self.m - i0).min(ROWS);
+        let r = i0 * self.nb..(i0 + h) * self.nb;
+        Tile {
+            h,
+            qs: &self.qs[r.clone()],
+            d: &self.d[r.clone()],
+            s: &self.s[r.clone()],
+            ds: &self.ds[r],
+        }
+    }
 }
 
 /// Quantises `m` rows of `k` activations.
-pub fn quantize_rows(x: &[f32], k: usize) -> Vec<ActBlock> {
+pub fn quantize_rows(x: &[f32], k: usize) -> Acts {
     let nb = k / QK;
-    let mut out = vec![
-        ActBlock {
-            d: 0.0,
-            s: 0.0,
-            ds: 0.0,
-            qs: [0; QK]
-        };
-        x.len() / QK
-    ];
-    let quant = |(xs, ys): (&[f32], &mut ActBlock)| {
+    let m = x.len() / k;
+    let n = m * nb;
+    let mut acts = Acts {
+        m,
+        nb,
+        qs: vec![[0; QK]; n],
+        d: vec![0.0; n],
+        s: vec![0.0; n],
+        ds: vec![0.0; n],
+    };
+    let quant = |xs: &[f32]| {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
-        for (q, v) in ys.qs.iter_mut().zip(xs) {
+        let mut qs = [0i8; QK];
+        for (q, v) in qs.iter_mut().zip(xs) {
             *q = (v * id).round() as i8;
             sum += *q as i32;
         }
         let d16 = f16::from_f32(d);
-        ys.d = d16.to_f32();
-        ys.s = (f16::from_f32(sum as f32) * d16).to_f32();
-        ys.ds = sum as f32 * ys.d;
+        let d = d16.to_f32();
+        let s = (f16::from_f32(sum as f32) * d16).to_f32();
+        (qs, d, s, sum as f32 * d)
     };
-    if x.len() >= 64 * QK {
-        x.par_chunks_exact(QK)
-            .zip(out.par_iter_mut())
-            .for_each(quant);
+    let blocks: Vec<_> = if x.len() >= 64 * QK {
+        x.par_chunks_exact(QK).map(quant).collect()
     } else {
-        x.chunks_exact(QK).zip(out.iter_mut()).for_each(quant);
+        x.chunks_exact(QK).map(quant).collect()
+    };
+    for (i, (qs, d, s, ds)) in blocks.into_iter().enumerate() {
+        let at = acts.at(i / nb, i % nb);
+        acts.qs[at] = qs;
+        acts.d[at] = d;
+        acts.s[at] = s;
+        acts.ds[at] = ds;
     }
-    debug_assert_eq!(out.len() % nb, 0);
-    out
+    acts
 }
 
 /// `out[m, n] = x[m, k] . w[n, k]^T`.
@@ -150,12 +193,12 @@ pub fn matmul(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     assert_eq!(x.len(), m * k);
     let acts = quantize_rows(x, k);
-    let nb = k / QK;
     // Each task fills `out_t[j * m..(j + 1) * m]` for its rows j (transposed),
     // so tasks write disjoint slices.
     let mut out_t = vec![0f32; n * m];
     let threads = rayon::current_num_threads().max(1);
     let rows_per_task = (n / (threads * 8)).clamp(8, 256);
+    let tiles: Vec<Tile> = (0..m).step_by(ROWS).map(|i0| acts.tile(i0)).collect();
     out_t
         .par_chunks_mut(rows_per_task * m)
         .enumerate()
@@ -163,13 +206,10 @@ pub fn matmul(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
             let j0 = t * rows_per_task;
             for (jj, o) in chunk.chunks_mut(m).enumerate() {
                 let row = w.row(j0 + jj);
-                let mut i = 0;
-                while i < m {
-                    let r = (m - i).min(ROWS);
+                for (tile, o) in tiles.iter().zip(o.chunks_mut(ROWS)) {
                     let mut res = [0f32; ROWS];
-                    dot_rows(w.format, row, &acts, nb, i, r, &mut res);
-                    o[i..i + r].copy_from_slice(&res[..r]);
-                    i += r;
+                    dot_rows(w.format, row, tile, &mut res);
+                    o.copy_from_slice(&res[..tile.h]);
                 }
             }
         });
@@ -185,50 +225,68 @@ pub fn matmul(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     out
 }
 
-/// Dots one weight row with activation rows `i0..i0 + r`.
-fn dot_rows(
-    f: QFormat,
-    row: &[u8],
-    acts: &[ActBlock],
-    nb: usize,
-    i0: usize,
-    r: usize,
-    res: &mut [f32; ROWS],
-) {
+/// Dots one weight row with the rows of one activation tile.
+fn dot_rows(f: QFormat, row: &[u8], tile: &Tile, res: &mut [f32; ROWS]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if avx2() {
-            // SAFETY: AVX2 and FMA are present (checked above).
-            unsafe { avx2_impl::dot_rows(f, row, acts, nb, i0, r, res) };
-            return;
+        match simd() {
+            // SAFETY: the CPU has the features each path enables (checked in `simd`).
+            Simd::Vnni => return unsafe { x86::dot_tile_vnni(f, row, tile, res) },
+            Simd::Avx2 => return unsafe { x86::dot_tile_avx2(f, row, tile, res) },
+            Simd::None => {}
         }
     }
-    dot_rows_scalar(f, row, acts, nb, i0, r, res)
+    dot_rows_scalar(f, row, tile, res)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
+/// The widest integer dot product this CPU has, chosen once at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// AVX-512 VNNI on 256-bit vectors (`vpdpbusd`: one instruction for
+    /// 32 u8 x i8 products summed in fours).
+    Vnni,
+    /// AVX2 `maddubs` + `madd`.
+    Avx2,
+    None,
+}
+
+/// The path [`matmul`] takes on this CPU (`ENVELOPE_QGEMM_SIMD=avx2|none`
+/// narrows it, for comparisons).
+pub fn simd() -> Simd {
     use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    static PATH: OnceLock<Simd> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let cap = std::env::var("ENVELOPE_QGEMM_SIMD").unwrap_or_default();
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let vnni = avx2
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni");
+            match cap.as_str() {
+                "none" => Simd::None,
+                "avx2" if avx2 => Simd::Avx2,
+                _ if vnni => Simd::Vnni,
+                _ if avx2 => Simd::Avx2,
+                _ => Simd::None,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Simd::None
+    })
 }
 
-/// The portable reference, also the oracle for the SIMD path's tests.
-pub fn dot_rows_scalar(
-    f: QFormat,
-    row: &[u8],
-    acts: &[ActBlock],
-    nb: usize,
-    i0: usize,
-    r: usize,
-    res: &mut [f32; ROWS],
-) {
+/// The portable reference, also the oracle for the SIMD paths' tests.
+pub fn dot_rows_scalar(f: QFormat, row: &[u8], tile: &Tile, res: &mut [f32; ROWS]) {
     let bb = f.block_bytes();
-    for (ri, out) in res.iter_mut().enumerate().take(r) {
-        let a = &acts[(i0 + ri) * nb..(i0 + ri + 1) * nb];
+    let h = tile.h;
+    for (ri, out) in res.iter_mut().enumerate().take(h) {
         let mut acc = 0f32;
         for (b, blk) in row.chunks_exact(bb).enumerate() {
-            let ab = &a[b];
+            let at = b * h + ri;
+            let (aq, ad) = (&tile.qs[at], tile.d[at]);
             let d = f16_at(blk, 0);
             match f {
                 QFormat::Q4_0 | QFormat::Q4_1 => {
@@ -241,22 +299,21 @@ pub fn dot_rows_scalar(
                         .iter()
                         .enumerate()
                         .map(|(j, q)| {
-                            (q & 0x0F) as i32 * ab.qs[j] as i32
-                                + (q >> 4) as i32 * ab.qs[j + 16] as i32
+                            (q & 0x0F) as i32 * aq[j] as i32 + (q >> 4) as i32 * aq[j + 16] as i32
                         })
                         .sum();
-                    acc += sumi as f32 * d * ab.d;
+                    acc += sumi as f32 * d * ad;
                     acc += if f == QFormat::Q4_1 {
-                        f16_at(blk, 2) * ab.s
+                        f16_at(blk, 2) * tile.s[at]
                     } else {
-                        -8.0 * d * ab.ds
+                        -8.0 * d * tile.ds[at]
                     };
                 }
                 QFormat::Q8_0 => {
                     let sumi: i32 = (0..32)
-                        .map(|j| blk[2 + j] as i8 as i32 * ab.qs[j] as i32)
+                        .map(|j| blk[2 + j] as i8 as i32 * aq[j] as i32)
                         .sum();
-                    acc += sumi as f32 * d * ab.d;
+                    acc += sumi as f32 * d * ad;
                 }
             }
         }
@@ -265,99 +322,7 @@ pub fn dot_rows_scalar(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2_impl {
-    use super::{f16_at, ActBlock, QFormat, QK, ROWS};
-    use std::arch::x86_64::*;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
-
-    /// 16 packed nibbles -> 32 u8 in element order (low nibbles are 0..16).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
-        let v = _mm_loadu_si128(p as *const __m128i);
-        let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(v, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        _mm256_set_m128i(hi, lo)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_rows(
-        f: QFormat,
-        row: &[u8],
-        acts: &[ActBlock],
-        nb: usize,
-        i0: usize,
-        r: usize,
-        res: &mut [f32; ROWS],
-    ) {
-        let bb = f.block_bytes();
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        let mut extra = [0f32; ROWS];
-        let base = row.as_ptr();
-        let a_rows: [*const ActBlock; ROWS] =
-            std::array::from_fn(|ri| acts.as_ptr().add((i0 + ri.min(r - 1)) * nb));
-        for b in 0..nb {
-            let blk = base.add(b * bb);
-            let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
-            match f {
-                QFormat::Q4_0 | QFormat::Q4_1 => {
-                    let q41 = f == QFormat::Q4_1;
-                    let (qs, m) = if q41 {
-                        (
-                            blk.add(4),
-                            f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
-                        )
-                    } else {
-                        (blk.add(2), -8.0 * d)
-                    };
-                    let w = unpack_nibbles(qs);
-                    for ri in 0..r {
-                        let a = &*a_rows[ri].add(b);
-                        let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, av), ones);
-                        acc[ri] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(p),
-                            _mm256_set1_ps(d * a.d),
-                            acc[ri],
-                        );
-                        extra[ri] += m * if q41 { a.s } else { a.ds };
-                    }
-                }
-                QFormat::Q8_0 => {
-                    let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    let aw = _mm256_sign_epi8(w, w); // |w| as u8
-                    for ri in 0..r {
-                        let a = &*a_rows[ri].add(b);
-                        let av = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-                        let sa = _mm256_sign_epi8(av, w); // a with w's sign
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
-                        acc[ri] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(p),
-                            _mm256_set1_ps(d * a.d),
-                            acc[ri],
-                        );
-                    }
-                }
-            }
-        }
-        for ri in 0..r {
-            res[ri] = hsum(acc[ri]) + extra[ri];
-        }
-        let _ = QK;
-    }
-}
+mod x86;
 
 #[cfg(test)]
 mod tests {
@@ -385,7 +350,7 @@ mod tests {
     #[test]
     fn simd_matches_scalar_and_dequantised_reference() {
         for f in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
-            let (n, k, m) = (37, 96, 7);
+            let (n, k, m) = (37, 96, 2 * ROWS + 3);
             let w = random_matrix(f, n, k, 5);
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919 % 201) as f32 - 100.0) / 50.0)
@@ -398,12 +363,12 @@ mod tests {
                 w.dequantize_row(j, &mut wr);
                 for i in 0..m {
                     let mut res = [0f32; ROWS];
-                    dot_rows_scalar(f, w.row(j), &acts, k / QK, i, 1, &mut res);
+                    dot_rows_scalar(f, w.row(j), &acts.tile(i / ROWS * ROWS), &mut res);
+                    let want = res[i % ROWS];
                     let g = got[i * n + j];
                     assert!(
-                        (g - res[0]).abs() <= 1e-4 * res[0].abs().max(1.0),
-                        "{f:?} simd {g} vs scalar {}",
-                        res[0]
+                        (g - want).abs() <= 1e-4 * want.abs().max(1.0),
+                        "{f:?} simd {g} vs scalar {want}"
                     );
                     // Against f32 weights and f32 activations: only activation rounding differs.
                     let exact: f32 = wr
@@ -422,6 +387,80 @@ mod tests {
             }
         }
     }
+
+    /// Every SIMD path this CPU has, for every tile height: within
+    /// rounding of the scalar reference, and bit for bit what each
+    /// (weight row, activation row) pair gives alone.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_simd_path_matches_scalar_for_every_tile_height() {
+        let paths: [(&str, bool, DotTile); 2] = [
+            (
+                "avx2",
+                is_x86_feature_detected!("avx2"),
+                |f, row, t, res| unsafe { x86::dot_tile_avx2(f, row, t, res) },
+            ),
+            ("vnni", simd() == Simd::Vnni, |f, row, t, res| unsafe {
+                x86::dot_tile_vnni(f, row, t, res)
+            }),
+        ];
+        // Row i's activations depend on i only, whatever the batch.
+        let x_row = |i: usize, k: usize| -> Vec<f32> {
+            (0..k)
+                .map(|c| (((i * k + c) * 7919 % 251) as f32 - 125.0) / 40.0)
+                .collect()
+        };
+        for f in [QFormat::Q4_0, QFormat::Q4_1, QFormat::Q8_0] {
+            let (n, k) = (5, 160);
+            let w = random_matrix(f, n, k, 11);
+            for (name, present, path) in paths {
+                if !present {
+                    eprintln!("{name}: not on this CPU");
+                    continue;
+                }
+                // Each (weight row, activation row) alone: one row, one tile of one.
+                let alone = |j: usize, i: usize| {
+                    let acts = quantize_rows(&x_row(i, k), k);
+                    let mut r = [0f32; ROWS];
+                    path(f, w.row(j), &acts.tile(0), &mut r);
+                    r[0]
+                };
+                for h in 1..=ROWS {
+                    // A full tile, then one of `h` rows.
+                    let m = ROWS + h;
+                    let x: Vec<f32> = (0..m).flat_map(|i| x_row(i, k)).collect();
+                    let acts = quantize_rows(&x, k);
+                    for j in 0..n {
+                        for i0 in [0, ROWS] {
+                            let t = acts.tile(i0);
+                            let (mut got, mut want) = ([0f32; ROWS], [0f32; ROWS]);
+                            path(f, w.row(j), &t, &mut got);
+                            dot_rows_scalar(f, w.row(j), &t, &mut want);
+                            for ri in 0..t.h {
+                                let (g, e) = (got[ri], want[ri]);
+                                assert!(
+                                    (g - e).abs() <= 1e-4 * e.abs().max(1.0),
+                                    "{name} {f:?} h={}: {g} vs scalar {e}",
+                                    t.h
+                                );
+                                // Bit for bit what the pair gives alone:
+                                // batching changes no result.
+                                assert_eq!(
+                                    g.to_bits(),
+                                    alone(j, i0 + ri).to_bits(),
+                                    "{name} {f:?} h={} row {j}",
+                                    t.h
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    type DotTile = fn(QFormat, &[u8], &Tile, &mut [f32; ROWS]);
 
     #[test]
     fn matches_candle_quantized_matmul() {

@@ -1,0 +1,154 @@
+//! The x86 kernels: one weight row against one activation tile of `R`
+//! rows, `R` known at compile time so the row loop unrolls into registers.
+//! Written once ([`tile_kernels`]) and compiled twice: with AVX2's
+//! `maddubs` + `madd` and with AVX-512 VNNI's `vpdpbusd`.
+
+use super::{f16_at, QFormat, Tile, QK, ROWS};
+use std::arch::x86_64::*;
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// 16 packed nibbles -> 32 u8 in element order (low nibbles are 0..16).
+#[inline(always)]
+unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+    let v = _mm_loadu_si128(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(v, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// `u` (u8) x `s` (i8), summed in fours into eight i32 lanes: `maddubs`
+/// (pairs into saturating i16; 4-bit or sign-folded 8-bit operands never
+/// saturate) then `madd` with ones.
+#[inline(always)]
+unsafe fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+}
+
+/// The same sums in one VNNI instruction.
+#[inline(always)]
+unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
+macro_rules! tile_kernels {
+    ($entry:ident, $features:literal, $dot:ident) => {
+        /// One weight row against every row of `t`.
+        ///
+        /// # Safety
+        /// The CPU has the features enabled here; `row` is whole blocks of
+        /// `f` matching `t`'s blocks per row.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $entry(f: QFormat, row: &[u8], t: &Tile, res: &mut [f32; ROWS]) {
+            #[target_feature(enable = $features)]
+            unsafe fn kernel<const R: usize>(
+                f: QFormat,
+                row: &[u8],
+                t: &Tile,
+                res: &mut [f32; ROWS],
+            ) {
+                let bb = f.block_bytes();
+                let nb = row.len() / bb;
+                debug_assert!(t.qs.len() >= nb * R && t.h == R);
+                let base = row.as_ptr();
+                let qs = t.qs.as_ptr() as *const u8;
+                let ad = t.d.as_ptr();
+                // Q4_1's min multiplies s; Q4_0's -8 offset multiplies ds.
+                let asum = if f == QFormat::Q4_1 {
+                    t.s.as_ptr()
+                } else {
+                    t.ds.as_ptr()
+                };
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut extra = [0f32; R];
+                let mut extra8 = _mm256_setzero_ps();
+                // Blocks in order into one accumulator per row, as ggml and
+                // candle sum them. Measured, not adopted: summing even and
+                // odd blocks apart (two FMA chains) drifts further from
+                // their rounding (tests/reference_logits), and interleaving
+                // two or four weight rows ran slower on the 2-core EPYC.
+                for b in 0..nb {
+                    let blk = base.add(b * bb);
+                    let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
+                    let dv = _mm256_set1_ps(d);
+                    let a0 = b * R;
+                    match f {
+                        QFormat::Q4_0 | QFormat::Q4_1 => {
+                            let (w, m) = if f == QFormat::Q4_1 {
+                                (
+                                    unpack_nibbles(blk.add(4)),
+                                    f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
+                                )
+                            } else {
+                                (unpack_nibbles(blk.add(2)), -8.0 * d)
+                            };
+                            for ri in 0..R {
+                                let av =
+                                    _mm256_loadu_si256(qs.add((a0 + ri) * QK) as *const __m256i);
+                                let p = _mm256_cvtepi32_ps($dot(w, av));
+                                let sc = _mm256_mul_ps(dv, _mm256_set1_ps(*ad.add(a0 + ri)));
+                                acc[ri] = _mm256_fmadd_ps(p, sc, acc[ri]);
+                            }
+                            if R == 8 {
+                                // Multiply, then add (not fused): the
+                                // rounding of the other tile heights.
+                                let sv = _mm256_loadu_ps(asum.add(a0));
+                                extra8 =
+                                    _mm256_add_ps(extra8, _mm256_mul_ps(_mm256_set1_ps(m), sv));
+                            } else {
+                                for ri in 0..R {
+                                    extra[ri] += m * *asum.add(a0 + ri);
+                                }
+                            }
+                        }
+                        QFormat::Q8_0 => {
+                            let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                            let aw = _mm256_sign_epi8(w, w); // |w| as u8
+                            for ri in 0..R {
+                                let av =
+                                    _mm256_loadu_si256(qs.add((a0 + ri) * QK) as *const __m256i);
+                                let sa = _mm256_sign_epi8(av, w); // a with w's sign
+                                let p = _mm256_cvtepi32_ps($dot(aw, sa));
+                                let sc = _mm256_mul_ps(dv, _mm256_set1_ps(*ad.add(a0 + ri)));
+                                acc[ri] = _mm256_fmadd_ps(p, sc, acc[ri]);
+                            }
+                        }
+                    }
+                }
+                let mut e8 = [0f32; 8];
+                _mm256_storeu_ps(e8.as_mut_ptr(), extra8);
+                for ri in 0..R {
+                    let e = if R == 8 { e8[ri] } else { extra[ri] };
+                    res[ri] = hsum(acc[ri]) + e;
+                }
+            }
+            debug_assert!(ROWS == 8);
+            match t.h {
+                1 => kernel::<1>(f, row, t, res),
+                2 => kernel::<2>(f, row, t, res),
+                3 => kernel::<3>(f, row, t, res),
+                4 => kernel::<4>(f, row, t, res),
+                5 => kernel::<5>(f, row, t, res),
+                6 => kernel::<6>(f, row, t, res),
+                7 => kernel::<7>(f, row, t, res),
+                _ => kernel::<8>(f, row, t, res),
+            }
+        }
+    };
+}
+
+tile_kernels!(dot_tile_avx2, "avx2,fma", dot_avx2);
+tile_kernels!(
+    dot_tile_vnni,
+    "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni",
+    dot_vnni
+);
