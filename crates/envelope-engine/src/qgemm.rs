@@ -193,36 +193,48 @@ pub fn matmul(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     assert_eq!(x.len(), m * k);
     let acts = quantize_rows(x, k);
-    // Each task fills `out_t[j * m..(j + 1) * m]` for its rows j (transposed),
-    // so tasks write disjoint slices.
-    let mut out_t = vec![0f32; n * m];
+    let mut out = vec![0f32; m * n];
     let threads = rayon::current_num_threads().max(1);
     let rows_per_task = (n / (threads * 8)).clamp(8, 256);
     let tiles: Vec<Tile> = (0..m).step_by(ROWS).map(|i0| acts.tile(i0)).collect();
-    out_t
-        .par_chunks_mut(rows_per_task * m)
-        .enumerate()
-        .for_each(|(t, chunk)| {
-            let j0 = t * rows_per_task;
-            for (jj, o) in chunk.chunks_mut(m).enumerate() {
-                let row = w.row(j0 + jj);
-                for (tile, o) in tiles.iter().zip(o.chunks_mut(ROWS)) {
+    // Each task owns the output columns of its weight rows `j0..j1` in
+    // every row of `out`: disjoint writes, no transposed copy.
+    let dst = Columns(out.as_mut_ptr());
+    (0..n.div_ceil(rows_per_task))
+        .into_par_iter()
+        .for_each(|t| {
+            let (j0, j1) = (t * rows_per_task, ((t + 1) * rows_per_task).min(n));
+            for j in j0..j1 {
+                let row = w.row(j);
+                for (ti, tile) in tiles.iter().enumerate() {
                     let mut res = [0f32; ROWS];
                     dot_rows(w.format, row, tile, &mut res);
-                    o.copy_from_slice(&res[..tile.h]);
+                    for (ri, v) in res.iter().enumerate().take(tile.h) {
+                        // SAFETY: row ti * ROWS + ri < m and column j < n
+                        // are inside `out`, and only this task writes
+                        // column j.
+                        unsafe { dst.write((ti * ROWS + ri) * n + j, *v) };
+                    }
                 }
             }
         });
-    if m == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; m * n];
-    for j in 0..n {
-        for i in 0..m {
-            out[i * n + j] = out_t[j * m + i];
-        }
-    }
     out
+}
+
+/// `out`'s buffer, shared by tasks that write disjoint columns.
+#[derive(Clone, Copy)]
+struct Columns(*mut f32);
+// SAFETY: tasks write disjoint elements (see `matmul`) while `out` is
+// borrowed by nothing else.
+unsafe impl Send for Columns {}
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// # Safety
+    /// `at` is inside the buffer and no other thread touches it.
+    unsafe fn write(self, at: usize, v: f32) {
+        *self.0.add(at) = v;
+    }
 }
 
 /// Dots one weight row with the rows of one activation tile.

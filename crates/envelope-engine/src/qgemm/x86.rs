@@ -76,14 +76,15 @@ macro_rules! tile_kernels {
                 // odd blocks apart (two FMA chains) drifts further from
                 // their rounding (tests/reference_logits), and interleaving
                 // two or four weight rows ran slower on the 2-core EPYC.
-                for b in 0..nb {
-                    let blk = base.add(b * bb);
-                    let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
-                    let dv = _mm256_set1_ps(d);
-                    let a0 = b * R;
-                    match f {
-                        QFormat::Q4_0 | QFormat::Q4_1 => {
-                            let (w, m) = if f == QFormat::Q4_1 {
+                // One loop per format, so no block tests the format.
+                macro_rules! q4_blocks {
+                    ($q41:expr) => {
+                        for b in 0..nb {
+                            let blk = base.add(b * bb);
+                            let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
+                            let dv = _mm256_set1_ps(d);
+                            let a0 = b * R;
+                            let (w, m) = if $q41 {
                                 (
                                     unpack_nibbles(blk.add(4)),
                                     f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
@@ -110,7 +111,16 @@ macro_rules! tile_kernels {
                                 }
                             }
                         }
-                        QFormat::Q8_0 => {
+                    };
+                }
+                match f {
+                    QFormat::Q4_1 => q4_blocks!(true),
+                    QFormat::Q4_0 => q4_blocks!(false),
+                    QFormat::Q8_0 => {
+                        for b in 0..nb {
+                            let blk = base.add(b * bb);
+                            let dv = _mm256_set1_ps(f16_at(std::slice::from_raw_parts(blk, 2), 0));
+                            let a0 = b * R;
                             let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                             let aw = _mm256_sign_epi8(w, w); // |w| as u8
                             for ri in 0..R {
