@@ -250,6 +250,42 @@ impl Linear {
     pub fn bytes(&self) -> usize {
         self.weight.bytes() + self.bias.as_ref().map_or(0, |b| b.elem_count() * 4)
     }
+
+    /// Each of `ls` on the same `x`. Block-quantised weights (our kernel)
+    /// share one quantisation of `x` and one parallel pass
+    /// ([`crate::qgemm::matmul_many`]): the same results as one
+    /// [`Linear::forward`] each, with fewer thread hand-offs per step.
+    pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let blocks: Vec<&QMatrix> = ls
+            .iter()
+            .filter_map(|l| match &l.weight {
+                Matrix::Blocks(b) => Some(&**b),
+                _ => None,
+            })
+            .collect();
+        if blocks.len() < N || blocks.iter().any(|b| b.k != blocks[0].k) {
+            let mut out = Vec::with_capacity(N);
+            for l in ls {
+                out.push(l.forward(x)?);
+            }
+            return Ok(out.try_into().unwrap_or_else(|_| unreachable!("N results")));
+        }
+        let (m, _) = x.dims2()?;
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = Vec::with_capacity(N);
+        for ((l, b), y) in ls
+            .iter()
+            .zip(&blocks)
+            .zip(crate::qgemm::matmul_many(&blocks, &xs, m))
+        {
+            let y = Tensor::from_vec(y, (m, b.n), &Device::Cpu)?;
+            out.push(match &l.bias {
+                Some(bias) => y.broadcast_add(bias)?,
+                None => y,
+            });
+        }
+        Ok(out.try_into().unwrap_or_else(|_| unreachable!("N results")))
+    }
 }
 
 #[cfg(test)]

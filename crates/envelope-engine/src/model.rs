@@ -11,6 +11,7 @@ use crate::attention::{paged_attention, write_kv, TokenSlot};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::error::Result;
 use crate::kv_cache::{KvElem, KvGeometry, KvPool, KvStorage, LayerKv};
+use crate::linear::Linear;
 use crate::weights::ModelWeights;
 use candle_core::{Device, Tensor, D};
 
@@ -264,7 +265,7 @@ impl Backend for CpuBackend<'_> {
 
     fn qkv(&mut self, layer: usize, x: &Tensor) -> Result<[Tensor; 3]> {
         let l = &self.model.weights.layers[layer];
-        Ok([l.wq.forward(x)?, l.wk.forward(x)?, l.wv.forward(x)?])
+        Linear::forward_many([&l.wq, &l.wk, &l.wv], x)
     }
 
     fn attention(&mut self, layer: usize, step: &StepBatch, qkv: [Tensor; 3]) -> Result<Tensor> {
@@ -306,8 +307,7 @@ impl Backend for CpuBackend<'_> {
 
     fn swiglu(&mut self, layer: usize, x: &Tensor) -> Result<Tensor> {
         let l = &self.model.weights.layers[layer];
-        let gate = l.w_gate.forward(x)?;
-        let up = l.w_up.forward(x)?;
+        let [gate, up] = Linear::forward_many([&l.w_gate, &l.w_up], x)?;
         Ok((candle_nn::ops::silu(&gate)? * up)?)
     }
 

@@ -190,35 +190,55 @@ pub fn quantize_rows(x: &[f32], k: usize) -> Acts {
 
 /// `out[m, n] = x[m, k] . w[n, k]^T`.
 pub fn matmul(w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
-    let (n, k) = (w.n, w.k);
+    matmul_many(&[w], x, m)
+        .pop()
+        .expect("one matrix in, one result out")
+}
+
+/// [`matmul`] for several matrices of the same input width (Q, K and V;
+/// gate and up): the activations are quantised once and every matrix's
+/// rows are shared out in one parallel pass. The results are bit for bit
+/// those of separate calls.
+pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
+    let k = ws[0].k;
+    assert!(ws.iter().all(|w| w.k == k), "matrices of one input width");
     assert_eq!(x.len(), m * k);
     let acts = quantize_rows(x, k);
-    let mut out = vec![0f32; m * n];
-    let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = (n / (threads * 8)).clamp(8, 256);
     let tiles: Vec<Tile> = (0..m).step_by(ROWS).map(|i0| acts.tile(i0)).collect();
-    // Each task owns the output columns of its weight rows `j0..j1` in
-    // every row of `out`: disjoint writes, no transposed copy.
-    let dst = Columns(out.as_mut_ptr());
-    (0..n.div_ceil(rows_per_task))
-        .into_par_iter()
-        .for_each(|t| {
-            let (j0, j1) = (t * rows_per_task, ((t + 1) * rows_per_task).min(n));
-            for j in j0..j1 {
-                let row = w.row(j);
-                for (ti, tile) in tiles.iter().enumerate() {
-                    let mut res = [0f32; ROWS];
-                    dot_rows(w.format, row, tile, &mut res);
-                    for (ri, v) in res.iter().enumerate().take(tile.h) {
-                        // SAFETY: row ti * ROWS + ri < m and column j < n
-                        // are inside `out`, and only this task writes
-                        // column j.
-                        unsafe { dst.write((ti * ROWS + ri) * n + j, *v) };
-                    }
+    let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.n]).collect();
+    let threads = rayon::current_num_threads().max(1);
+    let total: usize = ws.iter().map(|w| w.n).sum();
+    let rows_per_task = (total / (threads * 8)).clamp(8, 256);
+    // (matrix, first row, end row) of every task.
+    let tasks: Vec<(usize, usize, usize)> = ws
+        .iter()
+        .enumerate()
+        .flat_map(|(wi, w)| {
+            (0..w.n)
+                .step_by(rows_per_task)
+                .map(move |j0| (wi, j0, (j0 + rows_per_task).min(w.n)))
+        })
+        .collect();
+    // Each task owns the output columns of its weight rows in every row
+    // of its matrix's result: disjoint writes, no transposed copy.
+    let dsts: Vec<Columns> = outs.iter_mut().map(|o| Columns(o.as_mut_ptr())).collect();
+    tasks.par_iter().for_each(|&(wi, j0, j1)| {
+        let (w, dst) = (ws[wi], dsts[wi]);
+        for j in j0..j1 {
+            let row = w.row(j);
+            for (ti, tile) in tiles.iter().enumerate() {
+                let mut res = [0f32; ROWS];
+                dot_rows(w.format, row, tile, &mut res);
+                for (ri, v) in res.iter().enumerate().take(tile.h) {
+                    // SAFETY: row ti * ROWS + ri < m and column j < w.n
+                    // are inside this matrix's result, and only this task
+                    // writes column j of it.
+                    unsafe { dst.write((ti * ROWS + ri) * w.n + j, *v) };
                 }
             }
-        });
-    out
+        }
+    });
+    outs
 }
 
 /// `out`'s buffer, shared by tasks that write disjoint columns.
@@ -509,6 +529,27 @@ mod tests {
                     (a - b).abs() <= 1e-4 * a.abs().max(1.0),
                     "{f:?}: candle {a} vs ours {b}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn many_matrices_in_one_pass_equal_separate_calls() {
+        let f = QFormat::Q4_1;
+        let k = 96;
+        let ws = [
+            random_matrix(f, 40, k, 1),
+            random_matrix(f, 9, k, 2),
+            random_matrix(f, 300, k, 3),
+        ];
+        for m in [1, 5, 17] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 9.0)
+                .collect();
+            let many = matmul_many(&[&ws[0], &ws[1], &ws[2]], &x, m);
+            for (w, got) in ws.iter().zip(&many) {
+                assert_eq!(got, &matmul(w, &x, m));
+                assert_eq!(got.len(), m * w.n);
             }
         }
     }
