@@ -41,7 +41,7 @@ unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
 }
 
 macro_rules! tile_kernels {
-    ($entry:ident, $features:literal, $dot:ident) => {
+    ($entry:ident, $features:literal, $dot:ident, $even:ident) => {
         /// One weight row against every row of `t`.
         ///
         /// # Safety
@@ -142,23 +142,111 @@ macro_rules! tile_kernels {
                 }
             }
             debug_assert!(ROWS == 8);
+            // Even heights may take a kernel that pairs rows (`$even`).
             match t.h {
                 1 => kernel::<1>(f, row, t, res),
-                2 => kernel::<2>(f, row, t, res),
+                2 => $even::<2>(f, row, t, res),
                 3 => kernel::<3>(f, row, t, res),
-                4 => kernel::<4>(f, row, t, res),
+                4 => $even::<4>(f, row, t, res),
                 5 => kernel::<5>(f, row, t, res),
-                6 => kernel::<6>(f, row, t, res),
+                6 => $even::<6>(f, row, t, res),
                 7 => kernel::<7>(f, row, t, res),
-                _ => kernel::<8>(f, row, t, res),
+                _ => $even::<8>(f, row, t, res),
             }
         }
     };
 }
 
-tile_kernels!(dot_tile_avx2, "avx2,fma", dot_avx2);
+tile_kernels!(dot_tile_avx2, "avx2,fma", dot_avx2, kernel);
 tile_kernels!(
     dot_tile_vnni,
     "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni",
-    dot_vnni
+    dot_vnni,
+    pairs512
 );
+
+/// The VNNI kernel for an even number of rows: two activation rows share
+/// one 512-bit vector (their blocks sit side by side in the tile), against
+/// the weight block repeated in both halves. Each half does exactly what
+/// [`dot_tile_vnni`]'s 256-bit kernel does for its row (the same integer
+/// sums, scale product and FMA, in the same block order), so results are
+/// bit for bit the same; the work per row and block halves where the CPU
+/// runs 512-bit vectors at full width.
+// Indexed loops over rows and pairs read as the lanes they fill.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [f32; ROWS]) {
+    debug_assert!(R.is_multiple_of(2) && t.h == R);
+    let bb = f.block_bytes();
+    let nb = row.len() / bb;
+    let base = row.as_ptr();
+    let qs = t.qs.as_ptr() as *const u8;
+    let ad = t.d.as_ptr();
+    let asum = if f == QFormat::Q4_1 {
+        t.s.as_ptr()
+    } else {
+        t.ds.as_ptr()
+    };
+    // Lanes 0-7 take the first scale of a pair, 8-15 the second.
+    let halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut extra = [0f32; R];
+    let mut extra8 = _mm256_setzero_ps();
+    for b in 0..nb {
+        let blk = base.add(b * bb);
+        let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
+        let dv = _mm512_set1_ps(d);
+        let a0 = b * R;
+        // The block's u8 operand in both halves, and for Q8_0 the sign to
+        // move onto the activations (AVX-512 has no vpsignb).
+        let (w, neg, m) = match f {
+            QFormat::Q4_1 => (
+                unpack_nibbles(blk.add(4)),
+                0,
+                f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
+            ),
+            QFormat::Q4_0 => (unpack_nibbles(blk.add(2)), 0, -8.0 * d),
+            QFormat::Q8_0 => {
+                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                (
+                    _mm256_sign_epi8(w, w),
+                    _mm512_movepi8_mask(_mm512_broadcast_i64x4(w)),
+                    0.0,
+                )
+            }
+        };
+        let w = _mm512_broadcast_i64x4(w);
+        for p in 0..R / 2 {
+            let at = a0 + 2 * p;
+            let av = _mm512_loadu_si512(qs.add(at * QK) as *const _);
+            // Q8_0: a with w's sign (w = 0 multiplies |w| = 0 either way).
+            let av = _mm512_mask_sub_epi8(av, neg, zero, av);
+            let pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, av));
+            let pair = _mm_castpd_ps(_mm_load_sd(ad.add(at) as *const f64));
+            let a_d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(pair));
+            acc[p] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, a_d), acc[p]);
+        }
+        if f != QFormat::Q8_0 {
+            if R == 8 {
+                // Multiply, then add (not fused), as the other kernels.
+                let sv = _mm256_loadu_ps(asum.add(a0));
+                extra8 = _mm256_add_ps(extra8, _mm256_mul_ps(_mm256_set1_ps(m), sv));
+            } else {
+                for ri in 0..R {
+                    extra[ri] += m * *asum.add(a0 + ri);
+                }
+            }
+        }
+    }
+    let mut e8 = [0f32; 8];
+    _mm256_storeu_ps(e8.as_mut_ptr(), extra8);
+    for p in 0..R / 2 {
+        let lo = _mm512_castps512_ps256(acc[p]);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1));
+        for (ri, half) in [(2 * p, lo), (2 * p + 1, hi)] {
+            let e = if R == 8 { e8[ri] } else { extra[ri] };
+            res[ri] = hsum(half) + e;
+        }
+    }
+}
