@@ -86,8 +86,8 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     // h[j] = acc[j] + acc[j + 4], then (h0 + h2) + (h1 + h3).
     let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    // + 0.0: the portable path's empty tail.
-    _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1))) + 0.0
+    // The portable path then adds its empty tail, -0.0: no change.
+    _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
 }
 
 #[inline(always)]
@@ -132,7 +132,8 @@ fn exp_neg(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = x.max(-87.3);
+    // Not `max`: that would turn a NaN score into a weight.
+    let x = if x < -87.3 { -87.3 } else { x };
     let n = (x * LOG2E).round_ties_even();
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     let mut p: f32 = 1.0 / 5040.0;
@@ -269,65 +270,79 @@ pub fn paged_attention<T: KvElem>(
         let at = tok * num_heads * hd + kvh * group * hd;
         (tok, kvh, &q[at..at + group * hd])
     };
-    if slots.iter().all(|s| s.pos < SHARE) {
+    // The share of task `task` from position `p0`.
+    let share = |task: usize, p0: usize| {
+        let (tok, kvh, qs) = q_of(task);
+        let s = slots[tok];
+        let p1 = (p0 + SHARE).min(s.pos + 1);
+        let whole = p0 == 0 && p1 == s.pos + 1;
+        let mut out = vec![0f32; group * hd];
+        let (max, sum) = attend_share(g, layer, s, qs, kvh, (p0, p1), whole, scale, &mut out);
+        Share { max, sum, out }
+    };
+    let tasks = slots.len() * g.num_kv_heads;
+    let threads = rayon::current_num_threads().max(1);
+    if tasks >= 4 * threads || slots.iter().all(|s| s.pos < SHARE) {
+        // Tasks enough for the threads (prefill, large batches): each runs
+        // its shares in turn and merges them, so no more than one task's
+        // shares per thread are held at once.
         out.par_chunks_mut(group * hd)
             .enumerate()
             .for_each(|(task, out)| {
                 let (tok, kvh, qs) = q_of(task);
                 let s = slots[tok];
-                attend_share(g, layer, s, qs, kvh, (0, s.pos + 1), true, scale, out);
+                if s.pos < SHARE {
+                    attend_share(g, layer, s, qs, kvh, (0, s.pos + 1), true, scale, out);
+                } else {
+                    let mine: Vec<Share> = (0..=s.pos)
+                        .step_by(SHARE)
+                        .map(|p0| share(task, p0))
+                        .collect();
+                    merge(&mine, out, hd);
+                }
             });
         return out;
     }
-    // (task, first position) of every share, tasks in order.
-    let parts: Vec<(usize, usize)> = (0..slots.len() * g.num_kv_heads)
+    // Few tasks over long contexts (decode of a few sequences): every share
+    // is a task of its own; then each token's shares merge, in order.
+    let parts: Vec<(usize, usize)> = (0..tasks)
         .flat_map(|task| {
             let n = slots[task / g.num_kv_heads].pos + 1;
             (0..n).step_by(SHARE).map(move |p0| (task, p0))
         })
         .collect();
-    let shares: Vec<Share> = parts
-        .par_iter()
-        .map(|&(task, p0)| {
-            let (tok, kvh, qs) = q_of(task);
-            let s = slots[tok];
-            let p1 = (p0 + SHARE).min(s.pos + 1);
-            let whole = p0 == 0 && p1 == s.pos + 1;
-            let mut out = vec![0f32; group * hd];
-            let (max, sum) = attend_share(g, layer, s, qs, kvh, (p0, p1), whole, scale, &mut out);
-            Share { max, sum, out }
-        })
-        .collect();
-    let mut at = 0;
-    while at < parts.len() {
-        let task = parts[at].0;
-        let n = parts[at..].iter().take_while(|p| p.0 == task).count();
-        let mine = &shares[at..at + n];
-        at += n;
-        let (tok, kvh, _) = q_of(task);
-        let base = tok * num_heads * hd + kvh * group * hd;
+    let shares: Vec<Share> = parts.par_iter().map(|&(t, p0)| share(t, p0)).collect();
+    for (task, o) in out.chunks_exact_mut(group * hd).enumerate() {
+        let first = parts.partition_point(|p| p.0 < task);
+        let n = parts[first..].iter().take_while(|p| p.0 == task).count();
+        let mine = &shares[first..first + n];
         if n == 1 {
             // The whole context in one share: already the output.
-            out[base..base + group * hd].copy_from_slice(&mine[0].out);
-            continue;
-        }
-        for h in 0..group {
-            let o = &mut out[base + h * hd..base + (h + 1) * hd];
-            let max = mine
-                .iter()
-                .map(|p| p.max[h])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for p in mine {
-                let w = exp_neg(p.max[h] - max);
-                sum += w * p.sum[h];
-                axpy(o, w, &p.out[h * hd..(h + 1) * hd]);
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|x| *x *= inv);
+            o.copy_from_slice(&mine[0].out);
+        } else {
+            merge(mine, o, hd);
         }
     }
     out
+}
+
+/// Merges one token's shares (in position order) into its group's
+/// outputs `o` (`[group, hd]`).
+fn merge(mine: &[Share], o: &mut [f32], hd: usize) {
+    for (h, o) in o.chunks_exact_mut(hd).enumerate() {
+        let max = mine
+            .iter()
+            .map(|p| p.max[h])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for p in mine {
+            let w = exp_neg(p.max[h] - max);
+            sum += w * p.sum[h];
+            axpy(o, w, &p.out[h * hd..(h + 1) * hd]);
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
 }
 
 #[cfg(test)]
@@ -423,7 +438,7 @@ mod tests {
         }
         let want =
             ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-        assert_eq!(dot(&a, &b).to_bits(), (want + 0.0).to_bits());
+        assert_eq!(dot(&a, &b).to_bits(), want.to_bits());
     }
 
     #[test]
@@ -437,6 +452,7 @@ mod tests {
         }
         assert!(worst <= 2, "{worst} ulp");
         assert_eq!(exp_neg(0.0), 1.0);
+        assert!(exp_neg(f32::NAN).is_nan(), "a NaN score stays NaN");
         assert!(exp_neg(-1e30) > 0.0 && exp_neg(-1e30) < 1.3e-38);
         let mut row = [0.5f32, -3.0, 2.0, 1.0, 0.0, -1.0, 2.0, -7.5, 0.25, 1.5];
         assert_eq!(max_of(&row), 2.0);
@@ -463,5 +479,15 @@ mod tests {
         assert_eq!(alone, batched[w..2 * w]);
         let short = check(16, n, &[3]);
         assert_eq!(short, batched[..w]);
+        // A prefill of every position: tasks enough for the threads, so
+        // each runs its shares in turn; the same bits as each token alone.
+        let all = check(16, n, &(0..n).collect::<Vec<_>>());
+        for p in [3, SHARE - 1, SHARE, SHARE + 1, n - 1] {
+            assert_eq!(
+                all[p * w..(p + 1) * w],
+                check(16, n, &[p])[..],
+                "position {p}"
+            );
+        }
     }
 }

@@ -223,7 +223,9 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
             // Q8_0: a with w's sign (w = 0 multiplies |w| = 0 either way).
             let av = _mm512_mask_sub_epi8(av, neg, zero, av);
             let pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, av));
-            let pair = _mm_castpd_ps(_mm_load_sd(ad.add(at) as *const f64));
+            // Two f32 scales; an unaligned 8-byte load (`_mm_load_sd` would
+            // need 8-byte alignment that a Vec<f32> does not promise).
+            let pair = _mm_castsi128_ps(_mm_loadl_epi64(ad.add(at) as *const __m128i));
             let a_d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(pair));
             acc[p] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, a_d), acc[p]);
         }
