@@ -34,6 +34,28 @@ pub struct Amounts {
     pub cost: f64,
 }
 
+impl Amounts {
+    /// What a request reserves: its prompt, `max_tokens` for each of `seqs`
+    /// sequences, and their cost under `budgets`' price.
+    pub fn of_request(
+        budgets: &Budgets,
+        prompt_tokens: u64,
+        max_tokens: u64,
+        seqs: u64,
+    ) -> Amounts {
+        let output_tokens = max_tokens.saturating_mul(seqs);
+        Amounts {
+            input_tokens: prompt_tokens,
+            output_tokens,
+            cost: budgets.price.cost(crate::price::Usage {
+                prompt: prompt_tokens,
+                completion: output_tokens,
+                cached: 0,
+            }),
+        }
+    }
+}
+
 /// One bucket of one budget in a request's decision.
 #[derive(Debug, Clone)]
 struct Line {

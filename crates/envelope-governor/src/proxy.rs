@@ -508,18 +508,18 @@ pub(crate) async fn place(
     // Against the profile: what can never fit is a 400. Against today's
     // caps (a live guard may have lowered them): what fits the profile but
     // not them is deferred with a 429, never refused for good.
-    let plan_for = |limits: &envelope_profile::Limits| {
+    let plan_for = |limits: &envelope_profile::Limits, max_tokens: Option<u64>| {
         policy::plan(
             limits,
             settings.over_limit,
             settings.beyond,
             parsed.endpoint,
             &counts,
-            parsed.max_tokens,
+            max_tokens,
             parsed.n,
         )
     };
-    let mut plan = plan_for(&settings.limits)?;
+    let mut plan = plan_for(&settings.limits, parsed.max_tokens)?;
     let current = s.gov.limits();
     if !plan.fits(&current) {
         // A max_tokens the client asked for (within the profile) is never
@@ -527,7 +527,9 @@ pub(crate) async fn place(
         // (injected or clamped) follows today's caps.
         let shorter = match plan.decision {
             OutputDecision::Kept => None,
-            _ => plan_for(&current).ok().filter(|p| p.fits(&current)),
+            _ => plan_for(&current, parsed.max_tokens)
+                .ok()
+                .filter(|p| p.fits(&current)),
         };
         plan = match (shorter, wait) {
             (Some(p), _) => p,
@@ -550,35 +552,24 @@ pub(crate) async fn place(
             // A max_tokens the governor chose (injected or clamped) also
             // fits the tightest output budget, rather than reserve more of
             // it than the budget holds.
-            let cap = b.output_capacity(&who.tenant, feature.as_deref());
-            if let Some(cap) = cap.filter(|_| plan.decision != OutputDecision::Kept) {
-                let per_seq = (cap / plan.demand.seqs.max(1) as f64).floor() as u64;
-                if per_seq >= 1 && plan.max_tokens > per_seq {
-                    let decision = plan.decision;
-                    let fitted = policy::plan(
-                        &settings.limits,
-                        settings.over_limit,
-                        settings.beyond,
-                        parsed.endpoint,
-                        &counts,
-                        Some(per_seq),
-                        parsed.n,
-                    );
-                    if let Some(p) = fitted.ok().filter(|p| p.fits(&current)) {
-                        plan = crate::policy::Plan { decision, ..p };
-                    }
-                }
+            let fitted = (plan.decision != OutputDecision::Kept)
+                .then(|| b.output_per_seq(&who.tenant, feature.as_deref(), plan.demand.seqs))
+                .flatten()
+                .filter(|&per_seq| plan.max_tokens > per_seq)
+                .and_then(|per_seq| plan_for(&settings.limits, Some(per_seq)).ok())
+                .filter(|p| p.fits(&current));
+            if let Some(p) = fitted {
+                plan = crate::policy::Plan {
+                    decision: plan.decision,
+                    ..p
+                };
             }
-            let output_tokens = plan.max_tokens.saturating_mul(plan.demand.seqs);
-            let a = crate::budget::Amounts {
-                input_tokens: plan.prompt_tokens,
-                output_tokens,
-                cost: b.price.cost(crate::price::Usage {
-                    prompt: plan.prompt_tokens,
-                    completion: output_tokens,
-                    cached: 0,
-                }),
-            };
+            let a = crate::budget::Amounts::of_request(
+                b,
+                plan.prompt_tokens,
+                plan.max_tokens,
+                plan.demand.seqs,
+            );
             let m = &s.gov.metrics;
             crate::budget::reserve(&s.budget_store, b, m, &who.tenant, feature.as_deref(), a)
                 .await?

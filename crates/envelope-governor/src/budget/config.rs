@@ -280,6 +280,16 @@ impl Budgets {
             .reduce(f64::min)
     }
 
+    /// The most output tokens each of `seqs` sequences may be given when
+    /// the governor chooses a request's max_tokens: the tightest enforced
+    /// output budget shared among them (`None`: no output budget, or less
+    /// than one token each).
+    pub fn output_per_seq(&self, tenant: &str, feature: Option<&str>, seqs: u64) -> Option<u64> {
+        let cap = self.output_capacity(tenant, feature)?;
+        let per_seq = (cap / seqs.max(1) as f64).floor() as u64;
+        (per_seq >= 1).then_some(per_seq)
+    }
+
     /// The budgets a request of `tenant` with `feature` is charged to, each
     /// with the store key of its buckets' owner.
     pub fn rules_for<'a>(&'a self, tenant: &str, feature: Option<&str>) -> Vec<(&'a Rule, String)> {
