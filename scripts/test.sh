@@ -20,12 +20,9 @@ python3 scripts/module-cycles.py
 stage "kubernetes files (deploy/, offline schemas)"
 bash scripts/validate-deploy.sh
 
-stage "fmt and clippy"
+stage "fmt (clippy runs beside the tests below)"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
-# The `ci` profile is release without LTO (Cargo.toml): clippy shares its
-# build scripts and proc macros with the test build below.
-cargo clippy --workspace --profile ci --all-targets --locked -- -D warnings
 
 stage "NVRTC from PyPI (every kernel in kernels/ must compile for sm_80 and sm_90; no GPU needed)"
 nvrtc_env=$(bash scripts/nvrtc-setup.sh)
@@ -55,11 +52,42 @@ if ! command -v redis-server >/dev/null; then
 fi
 redis-server --version
 
-stage "cargo test"
+stage "cargo test: build"
+# The `ci` profile is release without LTO (Cargo.toml).
+cargo test --profile ci --locked --workspace --no-run
+
+# The tests keep about half of the two cores busy (they wait on servers,
+# sweeps and subprocesses), so clippy and the fuzz targets' build run beside
+# them at the lowest CPU priority, where they take only what the tests leave
+# idle. Cargo holds no build lock while tests run; clippy shares the `ci`
+# profile's build scripts and proc macros, the fuzz build has its own
+# target directory.
+stage "cargo test: run (clippy, then the fuzz build, beside it at nice 19)"
+beside_log=$(mktemp)
+(
+  nice -n 19 cargo clippy --workspace --profile ci --all-targets --locked -- -D warnings &&
+    nice -n 19 bash scripts/fuzz.sh --dev --build-only
+) >"$beside_log" 2>&1 &
+beside=$!
+kill_tree() {
+  local c
+  for c in $(pgrep -P "$1" 2>/dev/null); do kill_tree "$c"; done
+  kill "$1" 2>/dev/null || true
+}
+trap 'rc=$?; kill_tree "$beside"; echo "== [${SECONDS}s] done (exit $rc)"' EXIT
 cargo test --profile ci --locked --workspace
 
-stage "fuzz (30 s per governor target; scripts/fuzz.sh 600 for the long run)"
-bash scripts/fuzz.sh 30
+stage "clippy and the fuzz build (waiting for what is left of them)"
+if ! wait "$beside"; then
+  cat "$beside_log"
+  echo "clippy or the fuzz build failed (output above)" >&2
+  exit 1
+fi
+grep -E "^(warning|error)|Finished" "$beside_log" || true
+rm -f "$beside_log"
+
+stage "fuzz (30 s per governor target, unoptimised with debug assertions; scripts/fuzz.sh 600 for the long run)"
+bash scripts/fuzz.sh --dev 30
 
 stage "openai python client"
 if [ ! -x .venv/bin/python ]; then
