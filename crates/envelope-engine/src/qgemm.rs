@@ -106,6 +106,9 @@ pub struct Acts {
     qs: Vec<[i8; QK]>,
     /// Scale (f16-rounded).
     d: Vec<f32>,
+    /// The same scale in eight lanes: two neighbours are the 512-bit
+    /// scale vector of a pair of rows (`x86::pairs512`).
+    d8: Vec<[f32; 8]>,
     /// d x sum(qs), rounded like ggml's Q8_1 `s` (for Q4_1's min term).
     s: Vec<f32>,
     /// d x sum(qs), exact (for Q4_0's -8 offset).
@@ -118,6 +121,7 @@ pub struct Tile<'a> {
     pub h: usize,
     qs: &'a [[i8; QK]],
     d: &'a [f32],
+    d8: &'a [[f32; 8]],
     s: &'a [f32],
     ds: &'a [f32],
 }
@@ -139,6 +143,7 @@ impl Acts {
             h,
             qs: &self.qs[r.clone()],
             d: &self.d[r.clone()],
+            d8: &self.d8[r.clone()],
             s: &self.s[r.clone()],
             ds: &self.ds[r],
         }
@@ -155,6 +160,7 @@ pub fn quantize_rows(x: &[f32], k: usize) -> Acts {
         nb,
         qs: vec![[0; QK]; n],
         d: vec![0.0; n],
+        d8: vec![[0.0; 8]; n],
         s: vec![0.0; n],
         ds: vec![0.0; n],
     };
@@ -182,6 +188,7 @@ pub fn quantize_rows(x: &[f32], k: usize) -> Acts {
         let at = acts.at(i / nb, i % nb);
         acts.qs[at] = qs;
         acts.d[at] = d;
+        acts.d8[at] = [d; 8];
         acts.s[at] = s;
         acts.ds[at] = ds;
     }

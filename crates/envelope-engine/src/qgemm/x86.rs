@@ -181,14 +181,13 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
     let nb = row.len() / bb;
     let base = row.as_ptr();
     let qs = t.qs.as_ptr() as *const u8;
-    let ad = t.d.as_ptr();
     let asum = if f == QFormat::Q4_1 {
         t.s.as_ptr()
     } else {
         t.ds.as_ptr()
     };
-    // Lanes 0-7 take the first scale of a pair, 8-15 the second.
-    let halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // Lanes 0-7 take the first row's scale, 8-15 the second's.
+    let ad8 = t.d8.as_ptr() as *const f32;
     let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut extra = [0f32; R];
@@ -223,10 +222,7 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
             // Q8_0: a with w's sign (w = 0 multiplies |w| = 0 either way).
             let av = _mm512_mask_sub_epi8(av, neg, zero, av);
             let pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, av));
-            // Two f32 scales; an unaligned 8-byte load (`_mm_load_sd` would
-            // need 8-byte alignment that a Vec<f32> does not promise).
-            let pair = _mm_castsi128_ps(_mm_loadl_epi64(ad.add(at) as *const __m128i));
-            let a_d = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(pair));
+            let a_d = _mm512_loadu_ps(ad8.add(at * 8));
             acc[p] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, a_d), acc[p]);
         }
         if f != QFormat::Q8_0 {
