@@ -103,6 +103,108 @@ fn axpy(out: &mut [f32], p: f32, v: &[f32]) {
     }
 }
 
+/// `out[i] = dot(q, key i) * scale` for the `n` keys `keys[i * ks..][..hd]`:
+/// [`dot`]'s arithmetic, four keys at a time on AVX2 (four independent
+/// sums, one horizontal reduction for the four).
+#[inline(always)]
+fn scores_run(q: &[f32], keys: &[f32], ks: usize, n: usize, scale: f32, out: &mut [f32]) {
+    let hd = q.len();
+    let mut i = 0;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if hd.is_multiple_of(8) {
+        while i + 4 <= n {
+            assert!((i + 3) * ks + hd <= keys.len());
+            // SAFETY: AVX2 is enabled at compile time; the four keys are
+            // inside `keys` (asserted) and `q` is whole chunks of 8.
+            let s = unsafe { dot4_avx2(q, keys.as_ptr().add(i * ks), ks) };
+            for (o, v) in out[i..i + 4].iter_mut().zip(s) {
+                *o = v * scale;
+            }
+            i += 4;
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().take(n).skip(i) {
+        *o = dot(q, &keys[i * ks..i * ks + hd]) * scale;
+    }
+}
+
+/// Four [`dot_avx2`]s of `q` with the keys at `k`, `k + ks`, `k + 2 ks`
+/// and `k + 3 ks`, lane for lane the same arithmetic.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[inline(always)]
+unsafe fn dot4_avx2(q: &[f32], k: *const f32, ks: usize) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let mut a = [_mm256_setzero_ps(); 4];
+    for c in (0..q.len()).step_by(8) {
+        let x = _mm256_loadu_ps(q.as_ptr().add(c));
+        for (j, a) in a.iter_mut().enumerate() {
+            *a = _mm256_add_ps(*a, _mm256_mul_ps(x, _mm256_loadu_ps(k.add(j * ks + c))));
+        }
+    }
+    // Per key h[j] = acc[j] + acc[j + 4]; then (h0 + h2) + (h1 + h3) for
+    // the four keys at once, through a transpose.
+    let h = a.map(|a| _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+    let s01 = _mm_add_ps(_mm_unpacklo_ps(h[0], h[1]), _mm_unpackhi_ps(h[0], h[1]));
+    let s23 = _mm_add_ps(_mm_unpacklo_ps(h[2], h[3]), _mm_unpackhi_ps(h[2], h[3]));
+    // [h0 + h2 of each key] + [h1 + h3 of each key].
+    let r = _mm_add_ps(_mm_movelh_ps(s01, s23), _mm_movehl_ps(s23, s01));
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), r);
+    out
+}
+
+/// `out += p[i] * vals[i * vs..][..hd]` for `i` in `0..n`, in order: each
+/// element gets [`axpy`]'s adds in the same order, but on AVX2 `out` stays
+/// in registers across the `n` rows (64 columns at a time).
+#[inline(always)]
+fn values_run(out: &mut [f32], p: &[f32], vals: &[f32], vs: usize, n: usize) {
+    let hd = out.len();
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if hd.is_multiple_of(8) {
+        assert!(n == 0 || (n - 1) * vs + hd <= vals.len());
+        assert!(p.len() >= n);
+        let mut c = 0;
+        // SAFETY (both calls): AVX2 is enabled at compile time; columns
+        // c..c + 8W of the n rows are inside `vals` (asserted) and of `out`.
+        while c + 64 <= hd {
+            unsafe { values_avx2::<8>(&mut out[c..c + 64], p, vals.as_ptr().add(c), vs, n) };
+            c += 64;
+        }
+        while c < hd {
+            unsafe { values_avx2::<1>(&mut out[c..c + 8], p, vals.as_ptr().add(c), vs, n) };
+            c += 8;
+        }
+        return;
+    }
+    for (i, &pi) in p.iter().enumerate().take(n) {
+        axpy(out, pi, &vals[i * vs..i * vs + hd]);
+    }
+}
+
+/// [`values_run`] for `8 W` columns held in `W` registers.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+#[inline(always)]
+unsafe fn values_avx2<const W: usize>(
+    out: &mut [f32],
+    p: &[f32],
+    v: *const f32,
+    vs: usize,
+    n: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut o: [__m256; W] = std::array::from_fn(|r| _mm256_loadu_ps(out.as_ptr().add(8 * r)));
+    for (i, &pi) in p.iter().enumerate().take(n) {
+        let w = _mm256_set1_ps(pi);
+        let row = v.add(i * vs);
+        for (r, o) in o.iter_mut().enumerate() {
+            *o = _mm256_add_ps(*o, _mm256_mul_ps(w, _mm256_loadu_ps(row.add(8 * r))));
+        }
+    }
+    for (r, o) in o.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(8 * r), *o);
+    }
+}
+
 /// The largest value of `xs` (eight lanes, so it vectorises).
 #[inline(always)]
 fn max_of(xs: &[f32]) -> f32 {
@@ -169,28 +271,50 @@ fn exp_and_sum(xs: &mut [f32], max: f32) -> f32 {
 /// recomputed after preemption, its output is bit for bit the same).
 const SHARE: usize = 128;
 
-/// Calls `f(position - p0, offset of its K/V head in the layer)` for each
-/// position in `p0..p1`, walking the blocks (inside a block, slots are
-/// contiguous).
-#[inline(always)]
-fn for_each_slot(
-    g: &KvGeometry,
-    s: TokenSlot,
-    kvh: usize,
-    (p0, p1): (usize, usize),
-    mut f: impl FnMut(usize, usize),
-) {
-    let stride = g.token_stride();
+/// Positions read at once: their keys and values are widened once, and
+/// each head's output stays in registers across them.
+const RUN: usize = 16;
+
+/// The runs of at most [`RUN`] positions from `p0..p1` that sit in one
+/// block (inside a block, slots are `token_stride` apart), as (position -
+/// p0, offset of the first one's K/V head in the layer, positions).
+fn runs(g: &KvGeometry, s: TokenSlot, kvh: usize, (p0, p1): (usize, usize)) -> Vec<[usize; 3]> {
+    let mut runs = Vec::with_capacity((p1 - p0).div_ceil(RUN.min(g.block_size)) + 1);
     let mut p = p0;
     while p < p1 {
         let block = s.block_table[p / g.block_size];
-        let end = p1.min((p / g.block_size + 1) * g.block_size);
-        let base = g.offset(block, 0) + kvh * g.head_dim;
-        for pos in p..end {
-            f(pos - p0, base + (pos % g.block_size) * stride);
-        }
+        let end = p1.min((p / g.block_size + 1) * g.block_size).min(p + RUN);
+        let at = g.offset(block, p % g.block_size) + kvh * g.head_dim;
+        runs.push([p - p0, at, end - p]);
         p = end;
     }
+    runs
+}
+
+/// Asks the CPU to start loading `n` rows of `hd` elements, `stride` apart
+/// from `src[at]`, into its caches: the rows of one head sit 1 in
+/// `num_kv_heads` of the cache lines, in blocks scattered over the pool,
+/// a pattern the hardware prefetcher does not follow.
+#[inline(always)]
+fn prefetch_rows<T>(src: &[T], at: usize, stride: usize, n: usize, hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = hd * std::mem::size_of::<T>();
+        for i in 0..n {
+            let Some(row) = src.get(at + i * stride..at + i * stride + hd) else {
+                return;
+            };
+            let row = row.as_ptr() as *const i8;
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch is a hint that loads nothing into
+                // the program; the address is inside `row`.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.add(off)) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, at, stride, n, hd);
 }
 
 /// One task's share: the group's query heads of token `tok` over KV head
@@ -220,14 +344,29 @@ fn attend_share<T: KvElem>(
     let hd = g.head_dim;
     let group = qs.len() / hd;
     let n = p1 - p0;
+    let stride = g.token_stride();
     let mut scores = vec![0f32; group * n];
-    let mut buf = vec![0f32; hd];
-    for_each_slot(g, s, kvh, (p0, p1), |t, at| {
-        let key = T::view(&layer.k[at..at + hd], &mut buf);
-        for (h, qh) in qs.chunks_exact(hd).enumerate() {
-            scores[h * n + t] = dot(qh, key) * scale;
+    let mut buf = vec![0f32; RUN * hd];
+    let runs = runs(g, s, kvh, (p0, p1));
+    for (i, &[t, at, m]) in runs.iter().enumerate() {
+        // The next run's keys, and this run's values for the pass below.
+        if let Some(&[_, next, nm]) = runs.get(i + 1) {
+            prefetch_rows(&layer.k, next, stride, nm, hd);
         }
-    });
+        prefetch_rows(&layer.v, at, stride, m, hd);
+        let span = (m - 1) * stride + hd;
+        let (keys, ks) = T::rows(&layer.k[at..at + span], stride, m, hd, &mut buf);
+        for (h, qh) in qs.chunks_exact(hd).enumerate() {
+            scores_run(
+                qh,
+                keys,
+                ks,
+                m,
+                scale,
+                &mut scores[h * n + t..h * n + t + m],
+            );
+        }
+    }
     let mut maxes = vec![0f32; group];
     let mut sums = vec![0f32; group];
     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
@@ -239,12 +378,13 @@ fn attend_share<T: KvElem>(
             row.iter_mut().for_each(|x| *x *= inv);
         }
     }
-    for_each_slot(g, s, kvh, (p0, p1), |t, at| {
-        let val = T::view(&layer.v[at..at + hd], &mut buf);
+    for &[t, at, m] in &runs {
+        let span = (m - 1) * stride + hd;
+        let (vals, vs) = T::rows(&layer.v[at..at + span], stride, m, hd, &mut buf);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-            axpy(o, scores[h * n + t], val);
+            values_run(o, &scores[h * n + t..h * n + t + m], vals, vs, m);
         }
-    });
+    }
     (maxes, sums)
 }
 
@@ -439,6 +579,34 @@ mod tests {
         let want =
             ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
         assert_eq!(dot(&a, &b).to_bits(), want.to_bits());
+    }
+
+    /// Four keys at a time and values held in registers give the bits of
+    /// one `dot` per key and one `axpy` per position (whole and partial
+    /// groups of four; 64-column and 8-column register blocks).
+    #[test]
+    fn runs_are_dot_and_axpy_bit_for_bit() {
+        let val = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) / 97.0;
+        for hd in [8, 64, 72] {
+            let (n, stride) = (7, hd + 24);
+            let rows: Vec<f32> = (0..n * stride).map(val).collect();
+            let q: Vec<f32> = (0..hd).map(|i| val(i + 40_000)).collect();
+            let mut got = vec![0f32; n];
+            scores_run(&q, &rows, stride, n, 0.125, &mut got);
+            for (i, g) in got.iter().enumerate() {
+                let want = dot(&q, &rows[i * stride..i * stride + hd]) * 0.125;
+                assert_eq!(g.to_bits(), want.to_bits(), "hd {hd} key {i}");
+            }
+            let p: Vec<f32> = (0..n).map(|i| val(i + 90_000) / 7.0).collect();
+            let mut want = q.clone();
+            for (i, &pi) in p.iter().enumerate() {
+                axpy(&mut want, pi, &rows[i * stride..i * stride + hd]);
+            }
+            let mut got = q.clone();
+            values_run(&mut got, &p, &rows, stride, n);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "hd {hd}");
+        }
     }
 
     #[test]

@@ -58,6 +58,24 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     /// `src` as f32: itself when it is f32, else widened into `buf` (as
     /// long as `src`) with the CPU's vector conversion (F16C for f16).
     fn view<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
+    /// `n` rows of `hd` elements, `stride` apart in `src`, as f32 rows and
+    /// their stride: `src` itself when it is f32 (which overrides this),
+    /// else widened by [`KvElem::view`] into `buf` (`n * hd` long), `hd`
+    /// apart.
+    #[inline(always)]
+    fn rows<'a>(
+        src: &'a [Self],
+        stride: usize,
+        n: usize,
+        hd: usize,
+        buf: &'a mut [f32],
+    ) -> (&'a [f32], usize) {
+        for (i, dst) in buf[..n * hd].chunks_exact_mut(hd).enumerate() {
+            let wrote = Self::view(&src[i * stride..i * stride + hd], dst).as_ptr();
+            debug_assert_eq!(wrote, dst.as_ptr(), "a widening view writes into buf");
+        }
+        (&buf[..n * hd], hd)
+    }
 }
 impl KvElem for f32 {
     #[inline(always)]
@@ -67,6 +85,16 @@ impl KvElem for f32 {
     #[inline(always)]
     fn view<'a>(src: &'a [f32], _: &'a mut [f32]) -> &'a [f32] {
         src
+    }
+    #[inline(always)]
+    fn rows<'a>(
+        src: &'a [f32],
+        stride: usize,
+        n: usize,
+        hd: usize,
+        _: &'a mut [f32],
+    ) -> (&'a [f32], usize) {
+        (&src[..(n - 1) * stride + hd], stride)
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
@@ -224,6 +252,14 @@ mod tests {
         let got = bf16::view(&b, &mut buf).to_vec();
         assert_eq!(got, b.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
         assert_eq!(f32::view(&xs, &mut buf), &xs[..]);
+        // Rows 16 apart, 8 wide: f32 is read in place, f16 widened row by row.
+        let (rows, stride) = f32::rows(&xs, 16, 4, 8, &mut buf);
+        assert_eq!((rows.as_ptr(), rows.len(), stride), (xs.as_ptr(), 56, 16));
+        let (rows, stride) = f16::rows(&h, 16, 4, 8, &mut buf);
+        assert_eq!((rows.len(), stride), (32, 8));
+        for i in 0..4 {
+            assert_eq!(rows[i * 8..i * 8 + 8], want[i * 16..i * 16 + 8]);
+        }
     }
 
     #[test]
