@@ -231,16 +231,24 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let dsts: Vec<Columns> = outs.iter_mut().map(|o| Columns(o.as_mut_ptr())).collect();
     tasks.par_iter().for_each(|&(wi, j0, j1)| {
         let (w, dst) = (ws[wi], dsts[wi]);
-        for j in j0..j1 {
-            let row = w.row(j);
+        let rb = w.row(0).len();
+        let mut res = vec![[0f32; ROWS]; j1 - j0];
+        // One tile (decode): all of the task's weight rows in one call.
+        // More: each weight row against every tile while it is in cache.
+        let chunk = if tiles.len() == 1 { j1 - j0 } else { 1 };
+        for c0 in (j0..j1).step_by(chunk) {
+            let c1 = (c0 + chunk).min(j1);
+            let rows = &w.data[c0 * rb..c1 * rb];
             for (ti, tile) in tiles.iter().enumerate() {
-                let mut res = [0f32; ROWS];
-                dot_rows(w.format, row, tile, &mut res);
-                for (ri, v) in res.iter().enumerate().take(tile.h) {
-                    // SAFETY: row ti * ROWS + ri < m and column j < w.n
-                    // are inside this matrix's result, and only this task
-                    // writes column j of it.
-                    unsafe { dst.write((ti * ROWS + ri) * w.n + j, *v) };
+                let res = &mut res[c0 - j0..c1 - j0];
+                dot_rows(w.format, rows, rb, tile, res);
+                for (j, r) in (c0..c1).zip(res.iter()) {
+                    for (ri, v) in r.iter().enumerate().take(tile.h) {
+                        // SAFETY: row ti * ROWS + ri < m and column j <
+                        // w.n are inside this matrix's result, and only
+                        // this task writes column j of it.
+                        unsafe { dst.write((ti * ROWS + ri) * w.n + j, *v) };
+                    }
                 }
             }
         }
@@ -265,17 +273,19 @@ impl Columns {
 }
 
 /// Dots one weight row with the rows of one activation tile.
-fn dot_rows(f: QFormat, row: &[u8], tile: &Tile, res: &mut [f32; ROWS]) {
+fn dot_rows(f: QFormat, rows: &[u8], rb: usize, tile: &Tile, res: &mut [[f32; ROWS]]) {
     #[cfg(target_arch = "x86_64")]
     {
         match simd() {
             // SAFETY: the CPU has the features each path enables (checked in `simd`).
-            Simd::Vnni => return unsafe { x86::dot_tile_vnni(f, row, tile, res) },
-            Simd::Avx2 => return unsafe { x86::dot_tile_avx2(f, row, tile, res) },
+            Simd::Vnni => return unsafe { x86::dot_tile_vnni(f, rows, rb, tile, res) },
+            Simd::Avx2 => return unsafe { x86::dot_tile_avx2(f, rows, rb, tile, res) },
             Simd::None => {}
         }
     }
-    dot_rows_scalar(f, row, tile, res)
+    for (row, r) in rows.chunks_exact(rb).zip(res) {
+        dot_rows_scalar(f, row, tile, r);
+    }
 }
 
 /// The widest integer dot product this CPU has, chosen once at run time.
@@ -437,10 +447,10 @@ mod tests {
             (
                 "avx2",
                 is_x86_feature_detected!("avx2"),
-                |f, row, t, res| unsafe { x86::dot_tile_avx2(f, row, t, res) },
+                |f, rows, rb, t, res| unsafe { x86::dot_tile_avx2(f, rows, rb, t, res) },
             ),
-            ("vnni", simd() == Simd::Vnni, |f, row, t, res| unsafe {
-                x86::dot_tile_vnni(f, row, t, res)
+            ("vnni", simd() == Simd::Vnni, |f, rows, rb, t, res| unsafe {
+                x86::dot_tile_vnni(f, rows, rb, t, res)
             }),
         ];
         // Row i's activations depend on i only, whatever the batch.
@@ -460,20 +470,28 @@ mod tests {
                 // Each (weight row, activation row) alone: one row, one tile of one.
                 let alone = |j: usize, i: usize| {
                     let acts = quantize_rows(&x_row(i, k), k);
-                    let mut r = [0f32; ROWS];
-                    path(f, w.row(j), &acts.tile(0), &mut r);
-                    r[0]
+                    let mut r = [[0f32; ROWS]];
+                    path(f, w.row(j), w.row(j).len(), &acts.tile(0), &mut r);
+                    r[0][0]
                 };
                 for h in 1..=ROWS {
                     // A full tile, then one of `h` rows.
                     let m = ROWS + h;
                     let x: Vec<f32> = (0..m).flat_map(|i| x_row(i, k)).collect();
                     let acts = quantize_rows(&x, k);
+                    // Every weight row in one call, as decode makes it.
+                    let rb = w.row(0).len();
+                    let all: Vec<Vec<[f32; ROWS]>> = [0, ROWS]
+                        .map(|i0| {
+                            let mut r = vec![[0f32; ROWS]; n];
+                            path(f, &w.data[..n * rb], rb, &acts.tile(i0), &mut r);
+                            r
+                        })
+                        .to_vec();
                     for j in 0..n {
-                        for i0 in [0, ROWS] {
+                        for (i0, each) in [0, ROWS].into_iter().zip(&all) {
                             let t = acts.tile(i0);
-                            let (mut got, mut want) = ([0f32; ROWS], [0f32; ROWS]);
-                            path(f, w.row(j), &t, &mut got);
+                            let (got, mut want) = (each[j], [0f32; ROWS]);
                             dot_rows_scalar(f, w.row(j), &t, &mut want);
                             for ri in 0..t.h {
                                 let (g, e) = (got[ri], want[ri]);
@@ -499,7 +517,7 @@ mod tests {
     }
 
     #[cfg(target_arch = "x86_64")]
-    type DotTile = fn(QFormat, &[u8], &Tile, &mut [f32; ROWS]);
+    type DotTile = fn(QFormat, &[u8], usize, &Tile, &mut [[f32; ROWS]]);
 
     #[test]
     fn matches_candle_quantized_matmul() {

@@ -42,13 +42,22 @@ unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
 
 macro_rules! tile_kernels {
     ($entry:ident, $features:literal, $dot:ident, $even:ident) => {
-        /// One weight row against every row of `t`.
+        /// Each weight row of `rows` (`rb` bytes apiece, one after
+        /// another) against every row of `t`, into `res` (one per weight
+        /// row): one call for a task's rows, so decode pays one dispatch
+        /// on the tile height per task, not per row.
         ///
         /// # Safety
-        /// The CPU has the features enabled here; `row` is whole blocks of
-        /// `f` matching `t`'s blocks per row.
+        /// The CPU has the features enabled here; each row is whole blocks
+        /// of `f` matching `t`'s blocks per row.
         #[target_feature(enable = $features)]
-        pub unsafe fn $entry(f: QFormat, row: &[u8], t: &Tile, res: &mut [f32; ROWS]) {
+        pub unsafe fn $entry(
+            f: QFormat,
+            rows: &[u8],
+            rb: usize,
+            t: &Tile,
+            res: &mut [[f32; ROWS]],
+        ) {
             #[target_feature(enable = $features)]
             unsafe fn kernel<const R: usize>(
                 f: QFormat,
@@ -142,16 +151,23 @@ macro_rules! tile_kernels {
                 }
             }
             debug_assert!(ROWS == 8);
+            macro_rules! each_row {
+                ($k:expr) => {
+                    for (row, r) in rows.chunks_exact(rb).zip(res.iter_mut()) {
+                        $k(f, row, t, r)
+                    }
+                };
+            }
             // Even heights may take a kernel that pairs rows (`$even`).
             match t.h {
-                1 => kernel::<1>(f, row, t, res),
-                2 => $even::<2>(f, row, t, res),
-                3 => kernel::<3>(f, row, t, res),
-                4 => $even::<4>(f, row, t, res),
-                5 => kernel::<5>(f, row, t, res),
-                6 => $even::<6>(f, row, t, res),
-                7 => kernel::<7>(f, row, t, res),
-                _ => $even::<8>(f, row, t, res),
+                1 => each_row!(kernel::<1>),
+                2 => each_row!($even::<2>),
+                3 => each_row!(kernel::<3>),
+                4 => each_row!($even::<4>),
+                5 => each_row!(kernel::<5>),
+                6 => each_row!($even::<6>),
+                7 => each_row!(kernel::<7>),
+                _ => each_row!($even::<8>),
             }
         }
     };
