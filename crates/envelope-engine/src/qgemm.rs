@@ -234,8 +234,9 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         let rb = w.row(0).len();
         let mut res = vec![[0f32; ROWS]; j1 - j0];
         // One tile (decode): all of the task's weight rows in one call.
-        // More: each weight row against every tile while it is in cache.
-        let chunk = if tiles.len() == 1 { j1 - j0 } else { 1 };
+        // More: a few weight rows against every tile while they are in
+        // cache.
+        let chunk = if tiles.len() == 1 { j1 - j0 } else { CHUNK_ROWS };
         for c0 in (j0..j1).step_by(chunk) {
             let c1 = (c0 + chunk).min(j1);
             let rows = &w.data[c0 * rb..c1 * rb];
@@ -255,6 +256,9 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     });
     outs
 }
+
+/// Weight rows per kernel call when there are several activation tiles.
+const CHUNK_ROWS: usize = 16;
 
 /// `out`'s buffer, shared by tasks that write disjoint columns.
 #[derive(Clone, Copy)]
