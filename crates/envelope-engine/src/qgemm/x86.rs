@@ -208,50 +208,65 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
     let mut acc = [_mm512_setzero_ps(); 4];
     let mut extra = [0f32; R];
     let mut extra8 = _mm256_setzero_ps();
-    for b in 0..nb {
-        let blk = base.add(b * bb);
-        let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
-        let dv = _mm512_set1_ps(d);
-        let a0 = b * R;
-        // The block's u8 operand in both halves, and for Q8_0 the sign to
-        // move onto the activations (AVX-512 has no vpsignb).
-        let (w, neg, m) = match f {
-            QFormat::Q4_1 => (
-                unpack_nibbles(blk.add(4)),
-                0,
-                f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
-            ),
-            QFormat::Q4_0 => (unpack_nibbles(blk.add(2)), 0, -8.0 * d),
-            QFormat::Q8_0 => {
-                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                (
-                    _mm256_sign_epi8(w, w),
-                    _mm512_movepi8_mask(_mm512_broadcast_i64x4(w)),
-                    0.0,
-                )
-            }
-        };
-        let w = _mm512_broadcast_i64x4(w);
-        for p in 0..R / 2 {
-            let at = a0 + 2 * p;
-            let av = _mm512_loadu_si512(qs.add(at * QK) as *const _);
-            // Q8_0: a with w's sign (w = 0 multiplies |w| = 0 either way).
-            let av = _mm512_mask_sub_epi8(av, neg, zero, av);
-            let pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, av));
-            let a_d = _mm512_loadu_ps(ad8.add(at * 8));
-            acc[p] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, a_d), acc[p]);
-        }
-        if f != QFormat::Q8_0 {
-            if R == 8 {
-                // Multiply, then add (not fused), as the other kernels.
-                let sv = _mm256_loadu_ps(asum.add(a0));
-                extra8 = _mm256_add_ps(extra8, _mm256_mul_ps(_mm256_set1_ps(m), sv));
-            } else {
-                for ri in 0..R {
-                    extra[ri] += m * *asum.add(a0 + ri);
+    // One loop per format (the format a constant in each), so no block
+    // tests the format and Q4 blocks skip Q8_0's sign move.
+    macro_rules! blocks {
+        ($f:expr) => {
+            for b in 0..nb {
+                let blk = base.add(b * bb);
+                let d = f16_at(std::slice::from_raw_parts(blk, 2), 0);
+                let dv = _mm512_set1_ps(d);
+                let a0 = b * R;
+                // The block's u8 operand in both halves, and for Q8_0 the
+                // sign to move onto the activations (AVX-512 has no vpsignb).
+                let (w, neg, m) = match $f {
+                    QFormat::Q4_1 => (
+                        unpack_nibbles(blk.add(4)),
+                        0,
+                        f16_at(std::slice::from_raw_parts(blk.add(2), 2), 0),
+                    ),
+                    QFormat::Q4_0 => (unpack_nibbles(blk.add(2)), 0, -8.0 * d),
+                    QFormat::Q8_0 => {
+                        let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                        (
+                            _mm256_sign_epi8(w, w),
+                            _mm512_movepi8_mask(_mm512_broadcast_i64x4(w)),
+                            0.0,
+                        )
+                    }
+                };
+                let w = _mm512_broadcast_i64x4(w);
+                for p in 0..R / 2 {
+                    let at = a0 + 2 * p;
+                    let av = _mm512_loadu_si512(qs.add(at * QK) as *const _);
+                    // Q8_0: a with w's sign (w = 0 multiplies |w| = 0 either way).
+                    let av = if $f == QFormat::Q8_0 {
+                        _mm512_mask_sub_epi8(av, neg, zero, av)
+                    } else {
+                        av
+                    };
+                    let pf = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w, av));
+                    let a_d = _mm512_loadu_ps(ad8.add(at * 8));
+                    acc[p] = _mm512_fmadd_ps(pf, _mm512_mul_ps(dv, a_d), acc[p]);
+                }
+                if $f != QFormat::Q8_0 {
+                    if R == 8 {
+                        // Multiply, then add (not fused), as the other kernels.
+                        let sv = _mm256_loadu_ps(asum.add(a0));
+                        extra8 = _mm256_add_ps(extra8, _mm256_mul_ps(_mm256_set1_ps(m), sv));
+                    } else {
+                        for ri in 0..R {
+                            extra[ri] += m * *asum.add(a0 + ri);
+                        }
+                    }
                 }
             }
-        }
+        };
+    }
+    match f {
+        QFormat::Q4_1 => blocks!(QFormat::Q4_1),
+        QFormat::Q4_0 => blocks!(QFormat::Q4_0),
+        QFormat::Q8_0 => blocks!(QFormat::Q8_0),
     }
     let mut e8 = [0f32; 8];
     _mm256_storeu_ps(e8.as_mut_ptr(), extra8);
