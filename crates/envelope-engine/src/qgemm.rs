@@ -236,7 +236,11 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         // One tile (decode): all of the task's weight rows in one call.
         // More: a few weight rows against every tile while they are in
         // cache.
-        let chunk = if tiles.len() == 1 { j1 - j0 } else { CHUNK_ROWS };
+        let chunk = if tiles.len() == 1 {
+            j1 - j0
+        } else {
+            CHUNK_ROWS
+        };
         for c0 in (j0..j1).step_by(chunk) {
             let c1 = (c0 + chunk).min(j1);
             let rows = &w.data[c0 * rb..c1 * rb];
