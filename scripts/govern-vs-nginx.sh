@@ -15,7 +15,10 @@
 #   scripts/govern-vs-nginx.sh [SECONDS] [CONNECTIONS]
 #
 # Needs nginx and wrk (installed with apt-get when missing) and the
-# SmolLM2 GGUF (scripts/fetch-model.sh).
+# SmolLM2 GGUF (scripts/fetch-model.sh). ENVELOPE_BIN names the binary to
+# measure (default target/release/envelope, built first); GOVERN_ENV adds
+# environment variables to both governors (for example
+# GOVERN_ENV=TOKIO_WORKER_THREADS=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-10}"
@@ -24,8 +27,12 @@ if ! command -v nginx >/dev/null || ! command -v wrk >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light wrk >/dev/null
 fi
 bash scripts/fetch-model.sh >/dev/null
-cargo build --release --locked >&2
-bin=${CARGO_TARGET_DIR:-target}/release/envelope
+if [ -n "${ENVELOPE_BIN:-}" ]; then
+  bin=$ENVELOPE_BIN
+else
+  cargo build --release --locked >&2
+  bin=${CARGO_TARGET_DIR:-target}/release/envelope
+fi
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 work=$(mktemp -d /tmp/envelope-vs-nginx.XXXXXX)
@@ -78,7 +85,8 @@ cat > "$work/profile.json" <<EOF
 EOF
 start_gov() {
   local port=$1; shift
-  ENVELOPE_LOG=warn "$bin" govern --profile "$work/profile.json" --upstream "http://127.0.0.1:$UP" \
+  # shellcheck disable=SC2086 # GOVERN_ENV is a list of NAME=value words.
+  env ${GOVERN_ENV:-} ENVELOPE_LOG=warn "$bin" govern --profile "$work/profile.json" --upstream "http://127.0.0.1:$UP" \
     --listen "127.0.0.1:$port" --on-mismatch ignore "$@" > "$work/gov-$port.out" 2> "$work/gov-$port.log" &
   pids+=($!)
 }
