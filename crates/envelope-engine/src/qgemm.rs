@@ -63,8 +63,13 @@ impl QMatrix {
     }
 
     fn row(&self, j: usize) -> &[u8] {
-        let rb = self.k / QK * self.format.block_bytes();
+        let rb = self.row_bytes();
         &self.data[j * rb..(j + 1) * rb]
+    }
+
+    /// Bytes of one row (whole blocks).
+    fn row_bytes(&self) -> usize {
+        self.k / QK * self.format.block_bytes()
     }
 
     /// Row `j` as f32 (the embedding lookup).
@@ -231,8 +236,7 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
     let dsts: Vec<Columns> = outs.iter_mut().map(|o| Columns(o.as_mut_ptr())).collect();
     tasks.par_iter().for_each(|&(wi, j0, j1)| {
         let (w, dst) = (ws[wi], dsts[wi]);
-        let rb = w.row(0).len();
-        let mut res = vec![[0f32; ROWS]; j1 - j0];
+        let rb = w.row_bytes();
         // One tile (decode): all of the task's weight rows in one call.
         // More: a few weight rows against every tile while they are in
         // cache.
@@ -241,11 +245,12 @@ pub fn matmul_many(ws: &[&QMatrix], x: &[f32], m: usize) -> Vec<Vec<f32>> {
         } else {
             CHUNK_ROWS
         };
+        let mut res = vec![[0f32; ROWS]; chunk];
         for c0 in (j0..j1).step_by(chunk) {
             let c1 = (c0 + chunk).min(j1);
             let rows = &w.data[c0 * rb..c1 * rb];
+            let res = &mut res[..c1 - c0];
             for (ti, tile) in tiles.iter().enumerate() {
-                let res = &mut res[c0 - j0..c1 - j0];
                 dot_rows(w.format, rows, rb, tile, res);
                 for (j, r) in (c0..c1).zip(res.iter()) {
                     for (ri, v) in r.iter().enumerate().take(tile.h) {
@@ -280,7 +285,8 @@ impl Columns {
     }
 }
 
-/// Dots one weight row with the rows of one activation tile.
+/// Dots each weight row of `rows` (`rb` bytes apiece) with the rows of
+/// one activation tile, into `res` (one entry per weight row).
 fn dot_rows(f: QFormat, rows: &[u8], rb: usize, tile: &Tile, res: &mut [[f32; ROWS]]) {
     #[cfg(target_arch = "x86_64")]
     {
