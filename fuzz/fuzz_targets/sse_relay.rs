@@ -5,7 +5,7 @@
 #![no_main]
 
 use bytes::Bytes;
-use envelope_governor::{relay, AppState, Ask, Governor, Settings, TokenCounter};
+use envelope_governor::{relay, Answer, AppState, Ask, Governor, Settings, TokenCounter};
 use futures::StreamExt;
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
@@ -75,7 +75,7 @@ fuzz_target!(|data: &[u8]| {
         if fail {
             items.push(Err(std::io::Error::other("upstream died")));
         }
-        let body = reqwest::Body::wrap_stream(futures::stream::iter(items));
+        let body = axum::body::Body::from_stream(futures::stream::iter(items));
         let ct = if sse {
             "text/event-stream"
         } else {
@@ -86,7 +86,7 @@ fuzz_target!(|data: &[u8]| {
             .header("content-type", ct)
             .body(body)
             .unwrap();
-        let resp = relay(&w.state, reqwest::Response::from(upstream), Some(permit));
+        let resp = relay(&w.state, Answer::from(upstream), Some(permit));
         let mut out = Vec::new();
         let mut errored = false;
         let mut stream = resp.into_body().into_data_stream();

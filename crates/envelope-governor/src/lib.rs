@@ -40,7 +40,7 @@ pub use error::{GovernError, OverloadReason, StartError};
 pub use ladder::{LadderConfig, Level, Reading};
 pub use latency::LatencyConfig;
 pub use ledger::{Demand, Share};
-pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
+pub use proxy::{app, relay, serve, upstream_client, Answer, AppState, ReloadHook, UpstreamClient};
 pub use queue::Class;
 pub use settings::{Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 pub use tokens::{CountSource, TokenCounter};

@@ -9,6 +9,7 @@
 //! and `/admin/*` itself. Client-facing errors never name the upstream's
 //! address (the log does).
 
+mod client;
 mod flow;
 mod serve;
 
@@ -26,6 +27,7 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+pub use client::{Answer, UpstreamClient};
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
 pub use serve::serve;
 pub(crate) use serve::serve_router;
@@ -38,7 +40,7 @@ pub type ReloadHook = Arc<dyn Fn() -> Result<String, String> + Send + Sync>;
 
 pub struct AppState {
     pub gov: Arc<Governor>,
-    pub client: reqwest::Client,
+    pub client: UpstreamClient,
     /// Upstream base URL, no trailing slash.
     pub upstream: String,
     pub counter: TokenCounter,
@@ -65,14 +67,8 @@ impl AppState {
 }
 
 /// The client to the upstream: a connect timeout, no redirects followed.
-pub fn upstream_client(s: &Settings) -> reqwest::Client {
-    reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_millis(s.connect_timeout_ms))
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .unwrap_or_default()
+pub fn upstream_client(s: &Settings) -> UpstreamClient {
+    UpstreamClient::new(Duration::from_millis(s.connect_timeout_ms))
 }
 
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
@@ -199,16 +195,10 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
     };
     let timeout = Duration::from_millis(settings.upstream_timeout_ms.min(settings.max_request_ms));
     let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
-    let send = s
-        .client
-        .request(method, &url)
-        .headers(headers)
-        .body(body)
-        .send();
+    let send = s.client.send(method, &url, headers, body);
     match tokio::time::timeout(timeout, send).await {
         Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, Vec::new()),
-        Ok(Err(e)) => upstream_error(&s, format!("{url}: {e}"), e.is_timeout() && !e.is_connect())
-            .into_response(),
+        Ok(Err(e)) => upstream_error(&s, e, false).into_response(),
         Err(_) => upstream_error(
             &s,
             format!("{url}: no answer in {} ms", timeout.as_millis()),
@@ -221,7 +211,7 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
 /// The streaming relay on its own (the fuzz target drives it with arbitrary
 /// upstream bytes): the upstream's answer back to the client, chunk by
 /// chunk, with `permit` released at its end.
-pub fn relay(s: &AppState, resp: reqwest::Response, permit: Option<Permit>) -> Response {
+pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
     let now = Instant::now();
     flow::stream_back(
         s,
@@ -622,7 +612,7 @@ pub(crate) async fn send(
     bytes: &Bytes,
     parsed: &ParsedRequest,
     placed: &Placed,
-) -> Result<reqwest::Response, GovernError> {
+) -> Result<Answer, GovernError> {
     let body = parsed.body_with_max_tokens(bytes, placed.plan.max_tokens);
     let path = match parsed.endpoint {
         Endpoint::Completions => "/v1/completions",
@@ -637,17 +627,14 @@ pub(crate) async fn send(
     if let Some(h) = &placed.permit.budget {
         h.mark_sent();
     }
-    let send = s.client.post(&url).headers(headers).body(body).send();
+    let send = s.client.send(Method::POST, &url, headers, body);
     let mut cut = s.gov.cut_signal();
     tokio::select! {
         r = tokio::time::timeout(timeout, send) => match r {
             Ok(Ok(r)) => Ok(r),
-            // A connect timeout is an unreachable upstream (502), not a slow one.
-            Ok(Err(e)) => Err(upstream_error(
-                s,
-                format!("{url}: {e}"),
-                e.is_timeout() && !e.is_connect(),
-            )),
+            // Any failure before the head (a connect timeout included) is
+            // an unreachable upstream (502), not a slow one.
+            Ok(Err(e)) => Err(upstream_error(s, e, false)),
             Err(_) => Err(upstream_error(
                 s,
                 format!("{url}: no response headers in {} ms", timeout.as_millis()),

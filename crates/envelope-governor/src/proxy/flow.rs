@@ -7,7 +7,7 @@
 //! non-streaming body is cut (the client sees a broken response, not a
 //! short one that looks whole).
 
-use super::AppState;
+use super::{Answer, AppState};
 use crate::admission::{Governor, Permit};
 use crate::metrics::label;
 use axum::body::{Body, Bytes};
@@ -21,7 +21,7 @@ use tokio::sync::watch;
 
 /// What rides inside the response body stream.
 struct Flow {
-    inner: futures::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+    inner: axum::body::BodyDataStream,
     permit: Option<Permit>,
     gov: Arc<Governor>,
     sse: bool,
@@ -268,7 +268,7 @@ impl Drop for Flow {
 /// The upstream's answer, streamed back with `extra` headers.
 pub(super) fn stream_back(
     s: &AppState,
-    resp: reqwest::Response,
+    resp: Answer,
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
@@ -280,16 +280,16 @@ pub(super) fn stream_back(
 /// [`stream_back`], telling `on_end` how the stream ended.
 pub(crate) fn stream_back_with(
     s: &AppState,
-    resp: reqwest::Response,
+    resp: Answer,
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
     extra: Vec<(&'static str, String)>,
     on_end: Option<OnEnd>,
 ) -> Response {
-    let status = resp.status();
-    let mut headers = HeaderMap::with_capacity(resp.headers().len() + extra.len());
-    for (k, v) in resp.headers() {
+    let (status, up_headers, body) = resp.into_parts();
+    let mut headers = HeaderMap::with_capacity(up_headers.len() + extra.len());
+    for (k, v) in &up_headers {
         if !super::HOP_BY_HOP.contains(&k.as_str()) {
             headers.append(k.clone(), v.clone());
         }
@@ -305,7 +305,7 @@ pub(crate) fn stream_back_with(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
     let flow = Flow {
-        inner: resp.bytes_stream().boxed(),
+        inner: body.into_data_stream(),
         permit,
         gov: s.gov.clone(),
         sse,
