@@ -15,8 +15,10 @@
 #   scripts/govern-vs-nginx.sh [SECONDS] [CONNECTIONS]
 #
 # Needs nginx and wrk (installed with apt-get when missing) and the
-# SmolLM2 GGUF (scripts/fetch-model.sh). ENVELOPE_BIN names the binary to
-# measure (default target/release/envelope, built first); GOVERN_ENV adds
+# SmolLM2 GGUF (scripts/fetch-model.sh). ROUNDS (default 3) is how many
+# alternating rounds of every path the medians come from; ENVELOPE_BIN
+# names the binary to measure (default target/release/envelope, built
+# first); GOVERN_ENV adds
 # environment variables to both governors (for example
 # GOVERN_ENV=TOKIO_WORKER_THREADS=1).
 set -euo pipefail
@@ -37,9 +39,10 @@ model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 work=$(mktemp -d /tmp/envelope-vs-nginx.XXXXXX)
 pids=()
+pid_files=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  [ -f "$work/nginx.pid" ] && kill "$(cat "$work/nginx.pid")" 2>/dev/null || true
+  for f in "${pid_files[@]}"; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -48,31 +51,38 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port)
 
 body='{"id":"cmpl-1","object":"text_completion","model":"fixed","choices":[{"index":0,"text":"hello world","finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":2,"total_tokens":10}}'
-cat > "$work/nginx.conf" <<EOF
+# The upstream and the nginx proxy are two nginx instances of one worker
+# each: in one process the proxy would share its core with the upstream,
+# while the governor's upstream runs in a process of its own.
+nginx_conf() { # NAME SERVER-BLOCK
+  cat > "$work/$1.conf" <<EOF
 worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/error.log warn;
+pid $work/$1.pid;
+error_log $work/$1-error.log warn;
 events { worker_connections 4096; }
 http {
   access_log off;
   upstream fixed { server 127.0.0.1:$UP; keepalive 256; }
-  server {
+$2
+}
+EOF
+  nginx -c "$work/$1.conf" -p "$work"
+  pid_files+=("$work/$1.pid")
+}
+nginx_conf upstream "  server {
     listen 127.0.0.1:$UP;
     location = /v1/completions { default_type application/json; return 200 '$body'; }
-    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"fixed"}]}'; }
+    location = /v1/models { default_type application/json; return 200 '{\"object\":\"list\",\"data\":[{\"id\":\"fixed\"}]}'; }
     location / { return 404; }
-  }
-  server {
+  }"
+nginx_conf proxy "  server {
     listen 127.0.0.1:$PX;
     location / {
       proxy_pass http://fixed;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection \"\";
     }
-  }
-}
-EOF
-nginx -c "$work/nginx.conf" -p "$work"
+  }"
 
 cat > "$work/profile.json" <<EOF
 {"schema": "envelope.profile/v1", "created_unix_ms": 1,
@@ -112,34 +122,42 @@ done = function(summary, latency, requests)
 end
 EOF
 # Latency: one connection, one request at a time (nothing queues, so what
-# a proxy adds is its own work). Throughput: $conns connections, closed loop.
+# a proxy adds is its own work). Throughput: $conns connections, closed
+# loop. ROUNDS rounds (default 3) take the four paths in turn, so a slow
+# spell of the machine falls on all of them; the table has the medians.
 lat() { wrk -t1 -c1 -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $3, $4}'; }
 tput() { wrk -t2 -c"$conns" -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $2, $5}'; }
-
+rounds="${ROUNDS:-3}"
+paths=(direct nginx tokenizer defaults)
+ports=("$UP" "$PX" "$G1" "$G2")
 # Warm up each path, then measure them in turn.
-for port in $UP $PX $G1 $G2; do wrk -t1 -c4 -d1s -s "$work/post.lua" "http://127.0.0.1:$port/v1/completions" >/dev/null; done
-read -r d_p50 d_p99 <<<"$(lat "$UP")"
-read -r n_p50 n_p99 <<<"$(lat "$PX")"
-read -r t_p50 t_p99 <<<"$(lat "$G1")"
-read -r a_p50 a_p99 <<<"$(lat "$G2")"
-read -r d_rps d_err <<<"$(tput "$UP")"
-read -r n_rps n_err <<<"$(tput "$PX")"
-read -r t_rps t_err <<<"$(tput "$G1")"
-read -r a_rps a_err <<<"$(tput "$G2")"
+for port in "${ports[@]}"; do wrk -t1 -c4 -d1s -s "$work/post.lua" "http://127.0.0.1:$port/v1/completions" >/dev/null; done
+for _ in $(seq 1 "$rounds"); do
+  for k in 0 1 2 3; do lat "${ports[$k]}" >>"$work/lat-${paths[$k]}"; done
+  for k in 0 1 2 3; do tput "${ports[$k]}" >>"$work/tput-${paths[$k]}"; done
+done
 src1=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G1/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G2/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a); POST /v1/completions to a fixed 200 upstream (nginx return); latency: wrk -t1 -c1 -d${secs}s; req/s: wrk -t2 -c$conns -d${secs}s"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a); POST /v1/completions to a fixed 200 upstream (nginx return); medians of $rounds alternating rounds of latency (wrk -t1 -c1 -d${secs}s) and req/s (wrk -t2 -c$conns -d${secs}s)"
 echo
-python3 - "$d_p50" "$d_p99" "$d_rps" "$n_p50" "$n_p99" "$n_rps" "$n_err" "$t_p50" "$t_p99" "$t_rps" "$t_err" "$a_p50" "$a_p99" "$a_rps" "$a_err" "$src1" "$src2" <<'EOF'
-import sys
-a = sys.argv[1:]
-d50, d99, drps = map(float, a[0:3])
-n50, n99, nrps, nerr = float(a[3]), float(a[4]), float(a[5]), int(a[6])
-t50, t99, trps, terr = float(a[7]), float(a[8]), float(a[9]), int(a[10])
-g50, g99, grps, gerr = float(a[11]), float(a[12]), float(a[13]), int(a[14])
-src1, src2 = a[15], a[16]
+python3 - "$work" "$src1" "$src2" <<'EOF'
+import statistics, sys
+work, src1, src2 = sys.argv[1:]
+def cols(kind, path):
+    rows = [l.split() for l in open(f"{work}/{kind}-{path}") if l.strip()]
+    return [[float(r[i]) for r in rows] for i in range(len(rows[0]))]
+def lat(path):
+    p50, p99 = cols("lat", path)
+    return statistics.median(p50), statistics.median(p99)
+def tput(path):
+    rps, err = cols("tput", path)
+    return statistics.median(rps), int(sum(err))
+d50, d99 = lat("direct"); drps, _ = tput("direct")
+n50, n99 = lat("nginx"); nrps, nerr = tput("nginx")
+t50, t99 = lat("tokenizer"); trps, terr = tput("tokenizer")
+g50, g99 = lat("defaults"); grps, gerr = tput("defaults")
 add = lambda x, d: max(x - d, 0.0)
 nadd50, nadd99 = add(n50, d50), add(n99, d99)
 print(f"direct to the upstream: p50 {d50:.3f} ms, p99 {d99:.3f} ms (one connection); {drps:,.0f} req/s")
