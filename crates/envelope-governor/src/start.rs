@@ -44,10 +44,8 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         .listen
         .clone()
         .unwrap_or_else(|| "127.0.0.1:9000".into());
-    let client = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .map_err(|e| StartError::Invalid(format!("the upstream client: {e}")))?;
+    // For the checks at start (the governed requests get their own).
+    let client = crate::proxy::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
 
     // Profile checks: the node and the upstream's model against the fingerprint.
     let shown = profile_path.display().to_string();
@@ -56,8 +54,14 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let conservative =
         crate::upstream::check_profile(&args, &client, &upstream, &profile, &shown).await?;
     let settings = args.settings(&profile_path, conservative)?;
-    let counter =
-        crate::upstream::pick_counter(&args, args.tokenizer.as_deref(), &client, &upstream).await?;
+    let counter = crate::upstream::pick_counter(
+        &args,
+        args.tokenizer.as_deref(),
+        &client,
+        &upstream,
+        Duration::from_millis(settings.connect_timeout_ms),
+    )
+    .await?;
     let l = &settings.limits;
     tracing::info!(
         profile = %settings.profile_id, max_context_tokens = l.max_context_tokens,

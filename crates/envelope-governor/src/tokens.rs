@@ -37,7 +37,7 @@ pub enum TokenCounter {
     /// The served model's own: from its `.gguf` file or a `tokenizer.json`.
     Tokenizer(Arc<TextTokenizer>),
     Upstream {
-        client: reqwest::Client,
+        client: crate::proxy::UpstreamClient,
         url: String,
         timeout: Duration,
     },
@@ -192,28 +192,44 @@ impl TokenCounter {
                     Prompts::Messages(c) => json!({ "messages": c.as_messages() }),
                     _ => return Ok((estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate)),
                 };
-                let resp = client
-                    .post(url)
-                    .json(&body)
-                    .timeout(*timeout)
-                    .send()
-                    .await
-                    .map_err(|e| {
-                        tracing::warn!("{url}: {e}");
-                        if e.is_timeout() {
-                            GovernError::UpstreamTimeout("counting the prompt's tokens".into())
-                        } else {
-                            GovernError::UpstreamUnreachable("counting the prompt's tokens".into())
-                        }
-                    })?;
-                let count = if resp.status().is_success() {
-                    resp.json::<Value>()
-                        .await
-                        .ok()
-                        .and_then(|v| v.get("count").and_then(Value::as_u64))
-                } else {
-                    None
+                let mut headers = axum::http::HeaderMap::new();
+                headers.insert(
+                    axum::http::header::CONTENT_TYPE,
+                    axum::http::HeaderValue::from_static("application/json"),
+                );
+                // The answer's head and body, both within the timeout.
+                let call = async {
+                    let resp = client
+                        .send(
+                            axum::http::Method::POST,
+                            url,
+                            headers,
+                            body.to_string().into(),
+                        )
+                        .await?;
+                    if !resp.status().is_success() {
+                        return Ok(None);
+                    }
+                    Ok::<_, String>(resp.bytes().await.ok())
                 };
+                let answer = match tokio::time::timeout(*timeout, call).await {
+                    Ok(Ok(a)) => a,
+                    Ok(Err(e)) => {
+                        tracing::warn!("{e}");
+                        return Err(GovernError::UpstreamUnreachable(
+                            "counting the prompt's tokens".into(),
+                        ));
+                    }
+                    Err(_) => {
+                        tracing::warn!("{url}: no count in {} ms", timeout.as_millis());
+                        return Err(GovernError::UpstreamTimeout(
+                            "counting the prompt's tokens".into(),
+                        ));
+                    }
+                };
+                let count = answer
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                    .and_then(|v| v.get("count").and_then(Value::as_u64));
                 Ok(match count {
                     Some(c) => (vec![c], CountSource::Upstream),
                     None => (estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate),
@@ -300,7 +316,7 @@ mod tests {
     #[tokio::test]
     async fn unreachable_tokenize_is_a_502() {
         let c = TokenCounter::Upstream {
-            client: reqwest::Client::new(),
+            client: crate::proxy::UpstreamClient::new(Duration::from_secs(2)),
             url: "http://127.0.0.1:9/tokenize".into(),
             timeout: Duration::from_secs(2),
         };

@@ -3,26 +3,56 @@
 
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
+use crate::proxy::{Answer, UpstreamClient};
 use crate::{live, TokenCounter};
+use axum::http::{header, HeaderMap, HeaderValue, Method};
 use envelope_profile::Profile;
 use std::path::Path;
 use std::time::Duration;
 
-pub(crate) async fn get_json(client: &reqwest::Client, url: &str) -> Option<serde_json::Value> {
-    let r = client
-        .get(url)
-        .timeout(Duration::from_secs(5))
-        .send()
+/// How long a check at start waits for the upstream (connect and answer).
+pub(crate) const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The upstream's answer to `method url` with a JSON `body` (none for
+/// GET), its head within [`CHECK_TIMEOUT`].
+async fn call(
+    client: &UpstreamClient,
+    method: Method,
+    url: &str,
+    body: Option<serde_json::Value>,
+) -> Result<Answer, String> {
+    let mut headers = HeaderMap::new();
+    let bytes = match body {
+        Some(b) => {
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            b.to_string().into()
+        }
+        None => Default::default(),
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, client.send(method, url, headers, bytes)).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("{url}: no answer in {} s", CHECK_TIMEOUT.as_secs())),
+    }
+}
+
+pub(crate) async fn get_json(client: &UpstreamClient, url: &str) -> Option<serde_json::Value> {
+    let r = call(client, Method::GET, url, None).await.ok()?;
+    let body = tokio::time::timeout(CHECK_TIMEOUT, r.bytes())
         .await
+        .ok()?
         .ok()?;
-    r.json().await.ok()
+    serde_json::from_slice(&body).ok()
 }
 
 pub(crate) async fn pick_counter(
     args: &GovernArgs,
     tokenizer: Option<&Path>,
-    client: &reqwest::Client,
+    client: &UpstreamClient,
     upstream: &str,
+    connect_timeout: Duration,
 ) -> Result<TokenCounter, StartError> {
     if let Some(p) = tokenizer {
         return TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid);
@@ -34,7 +64,7 @@ pub(crate) async fn pick_counter(
     };
     let url = format!("{upstream}/tokenize");
     let upstream_counter = TokenCounter::Upstream {
-        client: client.clone(),
+        client: crate::proxy::UpstreamClient::new(connect_timeout),
         url: url.clone(),
         timeout: Duration::from_secs(10),
     };
@@ -42,12 +72,13 @@ pub(crate) async fn pick_counter(
         TokenCount::Estimate => Ok(estimate),
         TokenCount::Upstream => Ok(upstream_counter),
         TokenCount::Auto => {
-            let probe = client
-                .post(&url)
-                .json(&serde_json::json!({"prompt": "probe"}))
-                .timeout(Duration::from_secs(5))
-                .send()
-                .await;
+            let probe = call(
+                client,
+                Method::POST,
+                &url,
+                Some(serde_json::json!({"prompt": "probe"})),
+            )
+            .await;
             match probe {
                 Ok(r) if r.status().is_success() => Ok(upstream_counter),
                 Ok(r) => {
@@ -85,7 +116,7 @@ pub(crate) fn gpus() -> Vec<(Option<String>, Option<u64>)> {
 /// A mismatch with `--on-mismatch refuse`.
 pub(crate) async fn check_profile(
     args: &GovernArgs,
-    client: &reqwest::Client,
+    client: &UpstreamClient,
     upstream: &str,
     profile: &Profile,
     shown: &str,

@@ -102,16 +102,19 @@ async fn upstream(
         return Ok((Arc::new(up), settings));
     }
     let url = spec.url.trim_end_matches('/').to_string();
-    let client = reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .map_err(|e| StartError::Invalid(format!("the upstream client: {e}")))?;
+    let client = crate::proxy::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
     let shown = spec.profile.display().to_string();
     let conservative =
         crate::upstream::check_profile(args, &client, &url, &profile, &shown).await?;
     let settings = args.settings(&spec.profile, conservative).map_err(named)?;
-    let counter =
-        crate::upstream::pick_counter(args, spec.tokenizer.as_deref(), &client, &url).await?;
+    let counter = crate::upstream::pick_counter(
+        args,
+        spec.tokenizer.as_deref(),
+        &client,
+        &url,
+        std::time::Duration::from_millis(settings.connect_timeout_ms),
+    )
+    .await?;
     tracing::info!(upstream = %url, profile = %settings.profile_id, counter = ?counter, "{field}");
     let gov = Governor::new(settings);
     let mut tasks = vec![];

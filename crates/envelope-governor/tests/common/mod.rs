@@ -321,7 +321,7 @@ pub async fn start_until(
     s.validate().unwrap();
     let gov = Governor::new(s);
     let counter = counter.unwrap_or(TokenCounter::Upstream {
-        client: reqwest::Client::new(),
+        client: envelope_governor::UpstreamClient::new(Duration::from_secs(5)),
         url: format!("{upstream}/tokenize"),
         timeout: Duration::from_secs(5),
     });
