@@ -275,17 +275,30 @@ const SHARE: usize = 128;
 /// each head's output stays in registers across them.
 const RUN: usize = 16;
 
-/// The runs of at most [`RUN`] positions from `p0..p1` that sit in one
-/// block (inside a block, slots are `token_stride` apart), as (position -
-/// p0, offset of the first one's K/V head in the layer, positions).
-fn runs(g: &KvGeometry, s: TokenSlot, kvh: usize, (p0, p1): (usize, usize)) -> Vec<[usize; 3]> {
+/// Positions that sit in one block (inside a block, slots are
+/// `token_stride` apart), at most [`RUN`] of them.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// The first position, less the share's first.
+    first: usize,
+    /// Where the first position's K/V head starts in the layer.
+    at: usize,
+    /// Positions in the run.
+    len: usize,
+}
+
+/// The runs that cover positions `p0..p1` of KV head `kvh`.
+fn runs(g: &KvGeometry, s: TokenSlot, kvh: usize, (p0, p1): (usize, usize)) -> Vec<Run> {
     let mut runs = Vec::with_capacity((p1 - p0).div_ceil(RUN.min(g.block_size)) + 1);
     let mut p = p0;
     while p < p1 {
         let block = s.block_table[p / g.block_size];
         let end = p1.min((p / g.block_size + 1) * g.block_size).min(p + RUN);
-        let at = g.offset(block, p % g.block_size) + kvh * g.head_dim;
-        runs.push([p - p0, at, end - p]);
+        runs.push(Run {
+            first: p - p0,
+            at: g.offset(block, p % g.block_size) + kvh * g.head_dim,
+            len: end - p,
+        });
         p = end;
     }
     runs
@@ -346,12 +359,21 @@ fn attend_share<T: KvElem>(
     let n = p1 - p0;
     let stride = g.token_stride();
     let mut scores = vec![0f32; group * n];
-    let mut buf = vec![0f32; RUN * hd];
+    // Widened K/V rows of one run (f32 rows are read where they are).
+    let mut buf = vec![0f32; if T::WIDENS { RUN * hd } else { 0 }];
     let runs = runs(g, s, kvh, (p0, p1));
-    for (i, &[t, at, m]) in runs.iter().enumerate() {
+    for (
+        i,
+        &Run {
+            first: t,
+            at,
+            len: m,
+        },
+    ) in runs.iter().enumerate()
+    {
         // The next run's keys, and this run's values for the pass below.
-        if let Some(&[_, next, nm]) = runs.get(i + 1) {
-            prefetch_rows(&layer.k, next, stride, nm, hd);
+        if let Some(next) = runs.get(i + 1) {
+            prefetch_rows(&layer.k, next.at, stride, next.len, hd);
         }
         prefetch_rows(&layer.v, at, stride, m, hd);
         let span = (m - 1) * stride + hd;
@@ -378,7 +400,12 @@ fn attend_share<T: KvElem>(
             row.iter_mut().for_each(|x| *x *= inv);
         }
     }
-    for &[t, at, m] in &runs {
+    for &Run {
+        first: t,
+        at,
+        len: m,
+    } in &runs
+    {
         let span = (m - 1) * stride + hd;
         let (vals, vs) = T::rows(&layer.v[at..at + span], stride, m, hd, &mut buf);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {

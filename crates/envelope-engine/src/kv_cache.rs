@@ -53,6 +53,8 @@ impl BlockAllocator {
 
 /// An element type the cache can hold.
 pub trait KvElem: Copy + Send + Sync + Default + 'static {
+    /// Whether reading it as f32 needs a buffer (every type but f32).
+    const WIDENS: bool = true;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
     /// `src` as f32: itself when it is f32, else widened into `buf` (as
@@ -78,6 +80,7 @@ pub trait KvElem: Copy + Send + Sync + Default + 'static {
     }
 }
 impl KvElem for f32 {
+    const WIDENS: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
