@@ -249,6 +249,48 @@ async fn upstream_dying_mid_stream_sends_an_sse_error_and_releases() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn whole_answers_keep_their_length_and_a_cut_one_reads_as_broken() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 20}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let len: usize = r.headers()["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let body = r.bytes().await.unwrap();
+    assert_eq!(body.len(), len);
+    serde_json::from_slice::<Value>(&body).expect("the whole answer");
+
+    // The upstream dies half way through a whole (non-streaming) answer:
+    // the client's read fails, rather than yield a short body that ends.
+    g.fake.die_after_chunks.store(1, Ordering::SeqCst);
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 20}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.bytes().await.is_err(),
+        "a cut answer must not read as whole"
+    );
+    let st = g.wait_state(|s| s["in_flight"]["requests"] == 0).await;
+    assert_eq!(st["in_flight"]["kv_tokens"], 0);
+    let m = g.metrics().await;
+    assert!(
+        m.contains("envelope_governor_upstream_errors_total{kind=\"upstream_stream_error\"} 1"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn upstream_stalling_mid_stream_times_out_and_releases() {
     let g = start(limits(1000, 100, 4, 4000), |s| {
         s.upstream_idle_timeout_ms = 300

@@ -303,6 +303,14 @@ pub(crate) fn stream_back_with(
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
+    // A whole body goes back with the upstream's length (the relay never
+    // changes its bytes; one cut short then reads as broken, not whole). A
+    // stream does not: a cut one ends with an error event of its own.
+    if !sse {
+        if let Some(len) = up_headers.get(axum::http::header::CONTENT_LENGTH) {
+            headers.insert(axum::http::header::CONTENT_LENGTH, len.clone());
+        }
+    }
     let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
     let flow = Flow {
         inner: body.into_data_stream(),

@@ -153,11 +153,35 @@ async fn generate(State(fake): State<Arc<Fake>>, body: Bytes) -> Response {
             .unwrap();
     }
     tokio::time::sleep(delay * max_tokens as u32).await;
-    drop(guard);
-    Json(json!({"id": "x", "object": "text_completion",
+    let whole = json!({"id": "x", "object": "text_completion",
         "choices": [{"index": 0, "text": "x".repeat(max_tokens as usize), "finish_reason": "length"}],
-        "usage": usage}))
-    .into_response()
+        "usage": usage});
+    if fake.die_after_chunks.load(Ordering::SeqCst) > 0 {
+        // The whole body's length, then half of it and a dead connection.
+        let bytes = Bytes::from(whole.to_string());
+        let half = bytes.slice(..bytes.len() / 2);
+        // The half goes out (with the head) before the connection dies.
+        let body = futures::stream::unfold((0, guard), move |(i, g)| {
+            let half = half.clone();
+            async move {
+                match i {
+                    0 => Some((Ok(half), (1, g))),
+                    1 => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Some((Err(std::io::Error::other("fake upstream died")), (2, g)))
+                    }
+                    _ => None,
+                }
+            }
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .header("content-length", bytes.len())
+            .body(Body::from_stream(body))
+            .unwrap();
+    }
+    drop(guard);
+    Json(whole).into_response()
 }
 
 async fn tokenize(State(fake): State<Arc<Fake>>, Json(v): Json<Value>) -> Json<Value> {
