@@ -6,13 +6,15 @@
 //!
 //! Bookkeeping is plain data with unit tests ([`ledger`], [`queue`],
 //! [`ladder`], [`estimate`], [`policy`], [`request`]); [`admission`] and
-//! [`proxy`] wrap it in a thin async layer; [`error`] is the one mapping
+//! [`proxy`] wrap it in a thin async layer, [`client`] is its HTTP client
+//! to the upstream; [`error`] is the one mapping
 //! from failures to HTTP status, OpenAI body and reason label. [`config`]
 //! holds every setting (flags, environment, TOML file, defaults) and
 //! [`start`] runs the process: checks, background tasks, reload, drain.
 
 pub mod admission;
 pub mod budget;
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod estimate;
@@ -35,12 +37,13 @@ pub mod tokens;
 pub mod upstream;
 
 pub use admission::{Ask, Governor, Permit};
+pub use client::{Answer, UpstreamClient};
 pub use config::{GovernArgs, OnMismatch, TokenCount};
 pub use error::{GovernError, OverloadReason, StartError};
 pub use ladder::{LadderConfig, Level, Reading};
 pub use latency::LatencyConfig;
 pub use ledger::{Demand, Share};
-pub use proxy::{app, relay, serve, upstream_client, Answer, AppState, ReloadHook, UpstreamClient};
+pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
 pub use queue::Class;
 pub use settings::{Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 pub use tokens::{CountSource, TokenCounter};

@@ -9,11 +9,11 @@
 //! and `/admin/*` itself. Client-facing errors never name the upstream's
 //! address (the log does).
 
-mod client;
 mod flow;
 mod serve;
 
 use crate::admission::{Ask, Governor, Permit};
+use crate::client::{Answer, UpstreamClient};
 use crate::error::GovernError;
 use crate::identity::{self, Identity, CLASS_HEADER};
 use crate::metrics::label;
@@ -27,7 +27,6 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-pub use client::{Answer, UpstreamClient};
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
 pub use serve::serve;
 pub(crate) use serve::serve_router;

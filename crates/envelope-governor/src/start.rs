@@ -45,7 +45,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         .clone()
         .unwrap_or_else(|| "127.0.0.1:9000".into());
     // For the checks at start (the governed requests get their own).
-    let client = crate::proxy::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
+    let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
 
     // Profile checks: the node and the upstream's model against the fingerprint.
     let shown = profile_path.display().to_string();

@@ -37,7 +37,7 @@ pub enum TokenCounter {
     /// The served model's own: from its `.gguf` file or a `tokenizer.json`.
     Tokenizer(Arc<TextTokenizer>),
     Upstream {
-        client: crate::proxy::UpstreamClient,
+        client: crate::client::UpstreamClient,
         url: String,
         timeout: Duration,
     },
@@ -316,7 +316,7 @@ mod tests {
     #[tokio::test]
     async fn unreachable_tokenize_is_a_502() {
         let c = TokenCounter::Upstream {
-            client: crate::proxy::UpstreamClient::new(Duration::from_secs(2)),
+            client: crate::client::UpstreamClient::new(Duration::from_secs(2)),
             url: "http://127.0.0.1:9/tokenize".into(),
             timeout: Duration::from_secs(2),
         };

@@ -1,9 +1,9 @@
 //! Reaching an upstream at start: its model list (for the profile's
 //! fingerprint), how its prompt tokens are counted, and the node's GPUs.
 
+use crate::client::{Answer, UpstreamClient};
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
-use crate::proxy::{Answer, UpstreamClient};
 use crate::{live, TokenCounter};
 use axum::http::{header, HeaderMap, HeaderValue, Method};
 use envelope_profile::Profile;
@@ -64,7 +64,7 @@ pub(crate) async fn pick_counter(
     };
     let url = format!("{upstream}/tokenize");
     let upstream_counter = TokenCounter::Upstream {
-        client: crate::proxy::UpstreamClient::new(connect_timeout),
+        client: UpstreamClient::new(connect_timeout),
         url: url.clone(),
         timeout: Duration::from_secs(10),
     };

@@ -7,8 +7,9 @@
 //! non-streaming body is cut (the client sees a broken response, not a
 //! short one that looks whole).
 
-use super::{Answer, AppState};
+use super::AppState;
 use crate::admission::{Governor, Permit};
+use crate::client::Answer;
 use crate::metrics::label;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};

@@ -102,7 +102,7 @@ async fn upstream(
         return Ok((Arc::new(up), settings));
     }
     let url = spec.url.trim_end_matches('/').to_string();
-    let client = crate::proxy::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
+    let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
     let shown = spec.profile.display().to_string();
     let conservative =
         crate::upstream::check_profile(args, &client, &url, &profile, &shown).await?;
