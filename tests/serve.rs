@@ -220,7 +220,10 @@ async fn bad_requests_get_openai_errors_and_the_server_survives() {
         .send()
         .await
         .unwrap();
+    // Read to its end first, so the client gets the answer, not a broken pipe.
     assert_eq!(r.status(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_openai_error(&v, None, Some("request_too_large"));
     // Still serving.
     let (st, _) = post(
         &s,
@@ -229,6 +232,35 @@ async fn bad_requests_get_openai_errors_and_the_server_survives() {
     )
     .await;
     assert_eq!(st, 200);
+}
+
+/// A client that sends an oversized body after the head (a slow uploader)
+/// can send all of it and then reads a 413 in the OpenAI shape: the server
+/// reads the body to its end before it answers, rather than answer and
+/// close while the client is still writing (a broken pipe, seen once in
+/// CI in the test above).
+#[test]
+fn an_oversized_body_sent_late_still_gets_its_413() {
+    use std::io::{Read, Write};
+    let s = server();
+    let mut c = std::net::TcpStream::connect(s.base.trim_start_matches("http://")).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let len = 9usize << 20;
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    c.write_all(&vec![b'a'; len])
+        .expect("the server takes the whole body before it answers");
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let v: Value = serde_json::from_str(body).unwrap();
+    assert_openai_error(&v, None, Some("request_too_large"));
 }
 
 #[tokio::test]

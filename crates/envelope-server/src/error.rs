@@ -24,6 +24,8 @@ pub enum ApiError {
     NoRoute { path: String },
     /// A known path with the wrong method (405).
     WrongMethod { method: String, path: String },
+    /// A body over the server's limit (413).
+    BodyTooLarge { limit_bytes: usize },
     /// The engine stopped (503).
     ShutDown,
     /// The engine failed the request: a step that failed or panicked (500).
@@ -43,6 +45,7 @@ impl ApiError {
             ApiError::Invalid { .. } | ApiError::ContextLength { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound { .. } | ApiError::NoRoute { .. } => StatusCode::NOT_FOUND,
             ApiError::WrongMethod { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ShutDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -56,6 +59,7 @@ impl ApiError {
             ApiError::ModelNotFound { .. } => "model_not_found",
             ApiError::NoRoute { .. } => "not_found",
             ApiError::WrongMethod { .. } => "method_not_allowed",
+            ApiError::BodyTooLarge { .. } => "request_too_large",
             ApiError::ShutDown => "shut_down",
             ApiError::Engine { .. } => "engine_error",
         }
@@ -95,6 +99,9 @@ impl ApiError {
             ApiError::ModelNotFound { model } => format!("The model `{model}` does not exist."),
             ApiError::NoRoute { path } => format!("no such endpoint: {path}"),
             ApiError::WrongMethod { method, path } => format!("{path} does not take {method}"),
+            ApiError::BodyTooLarge { limit_bytes } => {
+                format!("the request body is over this server's limit of {limit_bytes} bytes")
+            }
             ApiError::ShutDown => EngineError::ShutDown.to_string(),
         }
     }
@@ -171,9 +178,10 @@ mod tests {
             ApiError::Engine {
                 message: "step panicked".into(),
             },
+            ApiError::BodyTooLarge { limit_bytes: 8 },
         ];
         let statuses: Vec<u16> = all.iter().map(|e| e.status().as_u16()).collect();
-        assert_eq!(statuses, [400, 400, 404, 404, 405, 503, 500]);
+        assert_eq!(statuses, [400, 400, 404, 404, 405, 503, 500, 413]);
         for e in &all {
             let b = e.body();
             let b = &b["error"];

@@ -55,7 +55,42 @@ pub fn app(state: Arc<AppState>) -> Router {
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(refuse_oversized))
         .with_state(state)
+}
+
+/// The most of an oversized body read (and dropped) before the 413.
+const DRAIN_MAX_BYTES: u64 = 8 * MAX_BODY_BYTES as u64;
+/// How long reading it may take.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A body whose declared length is over [`MAX_BODY_BYTES`] gets a 413 in
+/// the OpenAI shape, after it has been read to its end and dropped (up to
+/// [`DRAIN_MAX_BYTES`], within [`DRAIN_TIMEOUT`]). Answering before the
+/// client has sent it all and closing would leave a client still writing
+/// with a broken pipe instead of the answer (nginx's lingering close
+/// reads on for the same reason).
+async fn refuse_oversized(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > MAX_BODY_BYTES as u64 => {
+            if n <= DRAIN_MAX_BYTES {
+                let mut body = req.into_body().into_data_stream();
+                let drain =
+                    async { while let Some(Ok(_)) = futures::StreamExt::next(&mut body).await {} };
+                let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
+            }
+            ApiError::BodyTooLarge {
+                limit_bytes: MAX_BODY_BYTES,
+            }
+            .into_response()
+        }
+        _ => next.run(req).await,
+    }
 }
 
 /// An unknown path: 404 in the OpenAI error shape, like every other error.
