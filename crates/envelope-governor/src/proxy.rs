@@ -420,6 +420,18 @@ pub(crate) async fn read_request(
         .and_then(|v| v.parse::<u64>().ok())
     {
         if len > settings.max_body_bytes as u64 {
+            // Read to its end and dropped first (up to 8 times the limit,
+            // within the body timeout), as nginx's lingering close does:
+            // answered while the client is still sending, the client would
+            // get a broken pipe instead of the 413.
+            if len <= 8 * settings.max_body_bytes as u64 {
+                let mut body = body.into_data_stream();
+                let drain =
+                    async { while let Some(Ok(_)) = futures::StreamExt::next(&mut body).await {} };
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(settings.body_timeout_ms), drain)
+                        .await;
+            }
             return Err(GovernError::BodyTooLarge {
                 limit_bytes: settings.max_body_bytes,
             });

@@ -130,6 +130,37 @@ async fn bad_input_is_a_clear_4xx_and_never_forwarded() {
     assert_eq!(g.state().await["in_flight"]["requests"], 0);
 }
 
+/// An oversized body is read to its end before the 413: answered (and the
+/// connection closed) while the client is still sending, the client would
+/// get a broken pipe instead of the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_oversized_body_is_read_before_its_413() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let g = start(limits(1000, 100, 4, 4000), |s| s.max_body_bytes = 64 << 10).await;
+    let mut c = tokio::net::TcpStream::connect(g.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let len = 256usize << 10;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+    );
+    c.write_all(head.as_bytes()).await.unwrap();
+    c.write_all(&vec![b'a'; len / 2]).await.unwrap();
+    // Half sent: no answer yet.
+    let mut first = [0u8; 1];
+    let early = tokio::time::timeout(Duration::from_millis(300), c.read(&mut first)).await;
+    assert!(early.is_err(), "answered before the body ended: {early:?}");
+    c.write_all(&vec![b'a'; len - len / 2]).await.unwrap();
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+    let v: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(v["error"]["code"], "request_too_large", "{v}");
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slow_clients_time_out_with_408() {
     let g = start(limits(1000, 100, 4, 4000), |s| s.body_timeout_ms = 200).await;
