@@ -8,7 +8,8 @@
 //! and a connect timeout bounds an unreachable upstream.
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use axum::BoxError;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -68,6 +69,18 @@ impl UpstreamClient {
                 Err(detail)
             }
         }
+    }
+
+    /// POSTs `body` as JSON to `url` (the /tokenize counter and the start
+    /// checks); as [`UpstreamClient::send`].
+    ///
+    /// # Errors
+    /// As [`UpstreamClient::send`].
+    pub async fn post_json(&self, url: &str, body: &serde_json::Value) -> Result<Answer, String> {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        self.send(Method::POST, url, headers, body.to_string().into())
+            .await
     }
 }
 

@@ -192,21 +192,9 @@ impl TokenCounter {
                     Prompts::Messages(c) => json!({ "messages": c.as_messages() }),
                     _ => return Ok((estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate)),
                 };
-                let mut headers = axum::http::HeaderMap::new();
-                headers.insert(
-                    axum::http::header::CONTENT_TYPE,
-                    axum::http::HeaderValue::from_static("application/json"),
-                );
                 // The answer's head and body, both within the timeout.
                 let call = async {
-                    let resp = client
-                        .send(
-                            axum::http::Method::POST,
-                            url,
-                            headers,
-                            body.to_string().into(),
-                        )
-                        .await?;
+                    let resp = client.post_json(url, &body).await?;
                     if !resp.status().is_success() {
                         return Ok(None);
                     }

@@ -5,7 +5,7 @@ use crate::client::{Answer, UpstreamClient};
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
 use crate::{live, TokenCounter};
-use axum::http::{header, HeaderMap, HeaderValue, Method};
+use axum::http::{HeaderMap, Method};
 use envelope_profile::Profile;
 use std::path::Path;
 use std::time::Duration;
@@ -13,33 +13,31 @@ use std::time::Duration;
 /// How long a check at start waits for the upstream (connect and answer).
 pub(crate) const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The upstream's answer to `method url` with a JSON `body` (none for
-/// GET), its head within [`CHECK_TIMEOUT`].
+/// The upstream's answer to a GET of `url`, or a POST of `body` as JSON,
+/// its head within [`CHECK_TIMEOUT`].
 async fn call(
     client: &UpstreamClient,
-    method: Method,
     url: &str,
     body: Option<serde_json::Value>,
 ) -> Result<Answer, String> {
-    let mut headers = HeaderMap::new();
-    let bytes = match body {
-        Some(b) => {
-            headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            b.to_string().into()
+    let send = async {
+        match body {
+            Some(b) => client.post_json(url, &b).await,
+            None => {
+                client
+                    .send(Method::GET, url, HeaderMap::new(), Default::default())
+                    .await
+            }
         }
-        None => Default::default(),
     };
-    match tokio::time::timeout(CHECK_TIMEOUT, client.send(method, url, headers, bytes)).await {
+    match tokio::time::timeout(CHECK_TIMEOUT, send).await {
         Ok(r) => r,
         Err(_) => Err(format!("{url}: no answer in {} s", CHECK_TIMEOUT.as_secs())),
     }
 }
 
 pub(crate) async fn get_json(client: &UpstreamClient, url: &str) -> Option<serde_json::Value> {
-    let r = call(client, Method::GET, url, None).await.ok()?;
+    let r = call(client, url, None).await.ok()?;
     let body = tokio::time::timeout(CHECK_TIMEOUT, r.bytes())
         .await
         .ok()?
@@ -72,13 +70,7 @@ pub(crate) async fn pick_counter(
         TokenCount::Estimate => Ok(estimate),
         TokenCount::Upstream => Ok(upstream_counter),
         TokenCount::Auto => {
-            let probe = call(
-                client,
-                Method::POST,
-                &url,
-                Some(serde_json::json!({"prompt": "probe"})),
-            )
-            .await;
+            let probe = call(client, &url, Some(serde_json::json!({"prompt": "probe"}))).await;
             match probe {
                 Ok(r) if r.status().is_success() => Ok(upstream_counter),
                 Ok(r) => {
