@@ -92,7 +92,7 @@ fn blocks_or_quant(q: QTensor) -> Result<Matrix> {
     };
     if let (Some(f), Ok((n, k))) = (format, q.shape().dims2()) {
         if let Some(m) = QMatrix::new(f, n, k, q.data()?.into_owned()) {
-            return Ok(Matrix::Blocks(Arc::new(m)));
+            return Ok(Matrix::Blocks(Arc::new(m.for_this_cpu())));
         }
     }
     Ok(Matrix::Quant(Arc::new(q)))

@@ -36,7 +36,7 @@ impl Uploader<'_> {
         Ok(match m {
             Matrix::Dense(t) => self.tensor(t)?,
             Matrix::Blocks(q) => {
-                let blocks = self.gpu.upload(DType::U8, &q.data)?;
+                let blocks = self.gpu.upload(DType::U8, &q.gguf_bytes())?;
                 let out = self.gpu.empty(self.act, q.n * q.k)?;
                 self.gpu
                     .dequant(q.format.name(), &blocks, &out, q.n * q.k / 32)?;

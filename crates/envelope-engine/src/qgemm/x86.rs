@@ -3,6 +3,7 @@
 //! Written once ([`tile_kernels`]) and compiled twice: with AVX2's
 //! `maddubs` + `madd` and with AVX-512 VNNI's `vpdpbusd`.
 
+use super::groups::{qs_at, GROUP};
 use super::{f16_at, QFormat, Tile, QK, ROWS};
 use std::arch::x86_64::*;
 
@@ -277,5 +278,127 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
             let e = if R == 8 { e8[ri] } else { extra[ri] };
             res[ri] = hsum(half) + e;
         }
+    }
+}
+
+/// One group of 16 weight rows (see [`super::groups`]) against every row
+/// of `t`: row `ri`'s 16 results go to `out[ri * stride ..][..16]`. Each
+/// lane does what [`super::dot_rows_scalar`] does for its (weight row,
+/// activation row): the block's integer dot (exact in any order), times
+/// the weight scale, times the activation scale, added; then Q4_1's
+/// minimum (Q4_0's -8 offset) times the activations' sum, added. So the
+/// results are bit for bit the scalar reference's, whatever the tile
+/// height.
+///
+/// # Safety
+/// The CPU has the features enabled here; `group` is whole group blocks of
+/// `f` matching `t`'s blocks per row; `out` has room for `t.h` rows of 16
+/// at `stride`.
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+pub unsafe fn group_tile_vnni(f: QFormat, group: &[u8], t: &Tile, out: *mut f32, stride: usize) {
+    macro_rules! heights {
+        ($f:literal) => {
+            match t.h {
+                1 => group_kernel::<1, $f>(group, t, out, stride),
+                2 => group_kernel::<2, $f>(group, t, out, stride),
+                3 => group_kernel::<3, $f>(group, t, out, stride),
+                4 => group_kernel::<4, $f>(group, t, out, stride),
+                5 => group_kernel::<5, $f>(group, t, out, stride),
+                6 => group_kernel::<6, $f>(group, t, out, stride),
+                7 => group_kernel::<7, $f>(group, t, out, stride),
+                _ => group_kernel::<8, $f>(group, t, out, stride),
+            }
+        };
+    }
+    debug_assert!(ROWS == 8 && (1..=ROWS).contains(&t.h));
+    match f {
+        QFormat::Q4_0 => heights!(0),
+        QFormat::Q4_1 => heights!(1),
+        QFormat::Q8_0 => heights!(2),
+    }
+}
+
+/// [`group_tile_vnni`] for `R` activation rows and format `F` (0: Q4_0,
+/// 1: Q4_1, 2: Q8_0), both constants, so the loops unroll into registers.
+// Indexed loops over chunks and rows read as the lanes they fill.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
+unsafe fn group_kernel<const R: usize, const F: u8>(
+    group: &[u8],
+    t: &Tile,
+    out: *mut f32,
+    stride: usize,
+) {
+    let f = match F {
+        0 => QFormat::Q4_0,
+        1 => QFormat::Q4_1,
+        _ => QFormat::Q8_0,
+    };
+    let gb = GROUP * f.block_bytes();
+    let nb = group.len() / gb;
+    debug_assert!(t.h == R && t.qs.len() >= nb * R);
+    let base = group.as_ptr();
+    // A row's block as 8 little-endian i32s: four activation bytes each.
+    let qs = t.qs.as_ptr() as *const i32;
+    let ad = t.d.as_ptr();
+    let asum = if F == 1 { t.s.as_ptr() } else { t.ds.as_ptr() };
+    let isum = t.isum.as_ptr();
+    let at_qs = qs_at(f);
+    let low = _mm512_set1_epi8(0x0F);
+    let zero = _mm512_setzero_si512();
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        let blk = base.add(b * gb);
+        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+        let a0 = b * R;
+        // The block's 32 weight bytes of 16 rows, as 8 operands of four
+        // bytes a lane, matching activation words 0..8.
+        let mut w = [zero; 8];
+        if F == 2 {
+            for c in 0..8 {
+                w[c] = _mm512_loadu_si512(blk.add(at_qs + 64 * c) as *const _);
+            }
+        } else {
+            for c in 0..4 {
+                let q = _mm512_loadu_si512(blk.add(at_qs + 64 * c) as *const _);
+                w[c] = _mm512_and_si512(q, low);
+                w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+            }
+        }
+        let m = match F {
+            1 => _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * GROUP) as *const __m256i)),
+            0 => _mm512_mul_ps(dw, _mm512_set1_ps(-8.0)),
+            _ => _mm512_setzero_ps(),
+        };
+        for r in 0..R {
+            let a = qs.add((a0 + r) * 8);
+            // Two chains of four, summed: integer sums are exact in any order.
+            let mut s0 = zero;
+            let mut s1 = zero;
+            for c in 0..4 {
+                s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(a.add(c).read_unaligned()));
+                s1 = _mm512_dpbusd_epi32(
+                    s1,
+                    w[4 + c],
+                    _mm512_set1_epi32(a.add(4 + c).read_unaligned()),
+                );
+            }
+            let mut sumi = _mm512_add_epi32(s0, s1);
+            if F == 2 {
+                // The weights went in as w + 128.
+                sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(128 * *isum.add(a0 + r)));
+            }
+            let p = _mm512_mul_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dw),
+                _mm512_set1_ps(*ad.add(a0 + r)),
+            );
+            acc[r] = _mm512_add_ps(acc[r], p);
+            if F != 2 {
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(m, _mm512_set1_ps(*asum.add(a0 + r))));
+            }
+        }
+    }
+    for r in 0..R {
+        _mm512_storeu_ps(out.add(r * stride), acc[r]);
     }
 }
