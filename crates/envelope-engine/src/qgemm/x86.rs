@@ -342,7 +342,7 @@ unsafe fn group_kernel<const R: usize, const F: u8>(
     let qs = t.qs.as_ptr() as *const i32;
     let ad = t.d.as_ptr();
     let asum = if F == 1 { t.s.as_ptr() } else { t.ds.as_ptr() };
-    let isum = t.isum.as_ptr();
+    let off8 = t.off8.as_ptr();
     let at_qs = qs_at(f);
     let low = _mm512_set1_epi8(0x0F);
     let zero = _mm512_setzero_si512();
@@ -372,8 +372,14 @@ unsafe fn group_kernel<const R: usize, const F: u8>(
         };
         for r in 0..R {
             let a = qs.add((a0 + r) * 8);
-            // Two chains of four, summed: integer sums are exact in any order.
-            let mut s0 = zero;
+            // Two chains of four, summed: integer sums are exact in any
+            // order. Q8_0's weights went in as w + 128: one chain starts
+            // from -128 x the activations' sum.
+            let mut s0 = if F == 2 {
+                _mm512_set1_epi32(*off8.add(a0 + r))
+            } else {
+                zero
+            };
             let mut s1 = zero;
             for c in 0..4 {
                 s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(a.add(c).read_unaligned()));
@@ -383,11 +389,7 @@ unsafe fn group_kernel<const R: usize, const F: u8>(
                     _mm512_set1_epi32(a.add(4 + c).read_unaligned()),
                 );
             }
-            let mut sumi = _mm512_add_epi32(s0, s1);
-            if F == 2 {
-                // The weights went in as w + 128.
-                sumi = _mm512_sub_epi32(sumi, _mm512_set1_epi32(128 * *isum.add(a0 + r)));
-            }
+            let sumi = _mm512_add_epi32(s0, s1);
             let p = _mm512_mul_ps(
                 _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dw),
                 _mm512_set1_ps(*ad.add(a0 + r)),
