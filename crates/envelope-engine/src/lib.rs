@@ -3,6 +3,7 @@
 //! KV cache, continuous or static batching, preemption by recompute, and
 //! per-step statistics for the harness.
 
+pub mod activation;
 pub mod attention;
 pub mod chat;
 pub mod config;

@@ -308,7 +308,10 @@ impl Backend for CpuBackend<'_> {
     fn swiglu(&mut self, layer: usize, x: &Tensor) -> Result<Tensor> {
         let l = &self.model.weights.layers[layer];
         let [gate, up] = Linear::forward_many([&l.w_gate, &l.w_up], x)?;
-        Ok((candle_nn::ops::silu(&gate)? * up)?)
+        let shape = gate.shape().clone();
+        let mut g = gate.flatten_all()?.to_vec1::<f32>()?;
+        crate::activation::swiglu_in_place(&mut g, &up.flatten_all()?.to_vec1::<f32>()?);
+        Ok(Tensor::from_vec(g, shape, &Device::Cpu)?)
     }
 
     fn select_rows(&mut self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
