@@ -29,9 +29,11 @@ pub fn exp(x: f32) -> f32 {
     p = p.mul_add(r, 0.5);
     p = p.mul_add(r, 1.0);
     p = p.mul_add(r, 1.0);
-    // 2^n in two halves, each a normal f32 for n in -126..=128 (2^128
-    // overflows to infinity in the product, as e^x does).
-    let n = n as i32;
+    // n as an integer without a float-to-int conversion (whose saturating
+    // form does not vectorise well): 1.5 x 2^23 + n holds n in its low
+    // mantissa bits. Then 2^n in two halves, each a normal f32 for n in
+    // -126..=128 (2^128 overflows to infinity in the product, as e^x does).
+    let n = (n + 12_582_912.0).to_bits() as i32 - 0x4B40_0000;
     let half = n >> 1;
     let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
     p * pow2(half) * pow2(n - half)
