@@ -281,32 +281,48 @@ unsafe fn pairs512<const R: usize>(f: QFormat, row: &[u8], t: &Tile, res: &mut [
     }
 }
 
-/// One group of 16 weight rows (see [`super::groups`]) against every row
-/// of `t`: row `ri`'s 16 results go to `out[ri * stride ..][..16]`. Each
-/// lane does what [`super::dot_rows_scalar`] does for its (weight row,
-/// activation row): the block's integer dot (exact in any order), times
-/// the weight scale, times the activation scale, added; then Q4_1's
-/// minimum (Q4_0's -8 offset) times the activations' sum, added. So the
-/// results are bit for bit the scalar reference's, whatever the tile
+/// Groups of 16 weight rows (see [`super::groups`]; `gb` bytes apiece,
+/// one after another) against every row of `t`: group `i`'s 16 results
+/// for row `ri` go to `out[ri * stride + 16 i ..][..16]`. One call for a
+/// task's groups, so the dispatch on the tile height and format is paid
+/// once. Each lane does what [`super::dot_rows_scalar`] does for its
+/// (weight row, activation row): the block's integer dot (exact in any
+/// order), times the weight scale, times the activation scale, added; then
+/// Q4_1's minimum (Q4_0's -8 offset) times the activations' sum, added. So
+/// the results are bit for bit the scalar reference's, whatever the tile
 /// height.
 ///
 /// # Safety
-/// The CPU has the features enabled here; `group` is whole group blocks of
-/// `f` matching `t`'s blocks per row; `out` has room for `t.h` rows of 16
-/// at `stride`.
+/// The CPU has the features enabled here; `groups` is whole group blocks
+/// of `f` matching `t`'s blocks per row; `out` has room for `t.h` rows of
+/// `16 x groups` at `stride`.
 #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")]
-pub unsafe fn group_tile_vnni(f: QFormat, group: &[u8], t: &Tile, out: *mut f32, stride: usize) {
+pub unsafe fn group_tile_vnni(
+    f: QFormat,
+    groups: &[u8],
+    gb: usize,
+    t: &Tile,
+    out: *mut f32,
+    stride: usize,
+) {
+    macro_rules! each_group {
+        ($r:literal, $f:literal) => {
+            for (i, g) in groups.chunks_exact(gb).enumerate() {
+                group_kernel::<$r, $f>(g, t, out.add(i * GROUP), stride)
+            }
+        };
+    }
     macro_rules! heights {
         ($f:literal) => {
             match t.h {
-                1 => group_kernel::<1, $f>(group, t, out, stride),
-                2 => group_kernel::<2, $f>(group, t, out, stride),
-                3 => group_kernel::<3, $f>(group, t, out, stride),
-                4 => group_kernel::<4, $f>(group, t, out, stride),
-                5 => group_kernel::<5, $f>(group, t, out, stride),
-                6 => group_kernel::<6, $f>(group, t, out, stride),
-                7 => group_kernel::<7, $f>(group, t, out, stride),
-                _ => group_kernel::<8, $f>(group, t, out, stride),
+                1 => each_group!(1, $f),
+                2 => each_group!(2, $f),
+                3 => each_group!(3, $f),
+                4 => each_group!(4, $f),
+                5 => each_group!(5, $f),
+                6 => each_group!(6, $f),
+                7 => each_group!(7, $f),
+                _ => each_group!(8, $f),
             }
         };
     }
