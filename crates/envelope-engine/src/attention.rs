@@ -4,6 +4,7 @@
 //! all go through the same code. No n x n score matrix is ever built: a
 //! query keeps one row of scores.
 
+use crate::activation::exp;
 use crate::kv_cache::{KvElem, KvGeometry, LayerKv};
 use rayon::prelude::*;
 
@@ -223,37 +224,11 @@ fn max_of(xs: &[f32]) -> f32 {
     m.iter().copied().fold(tail, f32::max)
 }
 
-/// `exp(x)` for `x <= 0` (softmax after subtracting the maximum), within
-/// 2 ulp of `f32::exp`, in arithmetic the compiler vectorises: with
-/// `x = n ln2 + r` and `|r| <= ln2 / 2`, `exp(r)` comes from its degree-7
-/// Taylor polynomial, scaled by `2^n` through the exponent bits. Below
-/// -87.3 it returns e^-87.3 (1.2e-38, near the smallest normal f32)
-/// instead of a denormal or zero.
-#[inline(always)]
-fn exp_neg(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // Not `max`: that would turn a NaN score into a weight.
-    let x = if x < -87.3 { -87.3 } else { x };
-    let n = (x * LOG2E).round_ties_even();
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    let mut p: f32 = 1.0 / 5040.0;
-    p = p.mul_add(r, 1.0 / 720.0);
-    p = p.mul_add(r, 1.0 / 120.0);
-    p = p.mul_add(r, 1.0 / 24.0);
-    p = p.mul_add(r, 1.0 / 6.0);
-    p = p.mul_add(r, 0.5);
-    p = p.mul_add(r, 1.0);
-    p = p.mul_add(r, 1.0);
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
 /// Replaces each `x` by `exp(x - max)` and returns their sum.
 #[inline(always)]
 fn exp_and_sum(xs: &mut [f32], max: f32) -> f32 {
     for x in xs.iter_mut() {
-        *x = exp_neg(*x - max);
+        *x = exp(*x - max);
     }
     let mut acc = [0f32; 8];
     let chunks = xs.chunks_exact(8);
@@ -503,7 +478,7 @@ fn merge(mine: &[Share], o: &mut [f32], hd: usize) {
             .fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for p in mine {
-            let w = exp_neg(p.max[h] - max);
+            let w = exp(p.max[h] - max);
             sum += w * p.sum[h];
             axpy(o, w, &p.out[h * hd..(h + 1) * hd]);
         }
@@ -641,14 +616,14 @@ mod tests {
         let mut worst = 0u32;
         let mut x = 0f32;
         while x > -87.0 {
-            let (a, b) = (exp_neg(x), x.exp());
+            let (a, b) = (exp(x), x.exp());
             worst = worst.max(a.to_bits().abs_diff(b.to_bits()));
             x -= 0.000_37;
         }
         assert!(worst <= 2, "{worst} ulp");
-        assert_eq!(exp_neg(0.0), 1.0);
-        assert!(exp_neg(f32::NAN).is_nan(), "a NaN score stays NaN");
-        assert!(exp_neg(-1e30) > 0.0 && exp_neg(-1e30) < 1.3e-38);
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NAN).is_nan(), "a NaN score stays NaN");
+        assert!(exp(-1e30) > 0.0 && exp(-1e30) < 1.3e-38);
         let mut row = [0.5f32, -3.0, 2.0, 1.0, 0.0, -1.0, 2.0, -7.5, 0.25, 1.5];
         assert_eq!(max_of(&row), 2.0);
         let want: f32 = row.iter().map(|v| (v - 2.0).exp()).sum();
