@@ -242,15 +242,7 @@ pub fn quantize_rows(x: &[f32], k: usize) -> Acts {
         off8: vec![0; n],
     };
     let quant = |xs: &[f32]| {
-        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        let mut qs = [0i8; QK];
-        for (q, v) in qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
-            sum += *q as i32;
-        }
+        let (qs, d, sum) = quant::block(xs);
         let d16 = f16::from_f32(d);
         let d = d16.to_f32();
         let s = (f16::from_f32(sum as f32) * d16).to_f32();
@@ -545,6 +537,7 @@ pub fn dot_rows_scalar(f: QFormat, row: &[u8], tile: &Tile, res: &mut [f32; ROWS
 }
 
 mod groups;
+mod quant;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
