@@ -161,11 +161,13 @@ async fn context_caps_reload_and_drain() {
     let dir = temp_dir("reload");
     let profile = dir.join("profile.json");
     std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
+    // Two worker threads (tokio's multi-thread scheduler): the other
+    // tests run the default, one event loop.
     let gov = Governor::start(
         &dir,
         &profile,
         &server.base,
-        &["--guard-interval-ms", "200"],
+        &["--guard-interval-ms", "200", "--worker-threads", "2"],
     );
     let c = reqwest::Client::new();
 
@@ -440,4 +442,22 @@ async fn a_bad_tenants_file_on_reload_changes_nothing() {
     assert_eq!(r.headers()["x-envelope-tenant"], "bob");
     assert_eq!(ask("sk-alice").await.unwrap().status(), 401);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn zero_worker_threads_stop_the_start_naming_the_flag() {
+    let dir = temp_dir("threads");
+    let profile = dir.join("profile.json");
+    std::fs::write(&profile, profile_json(4, 1000, 64).to_string()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args(["govern", "--profile", profile.to_str().unwrap()])
+        .args(["--upstream", "http://127.0.0.1:9", "--worker-threads", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--worker-threads") && err.contains("at least 1"),
+        "{err}"
+    );
 }

@@ -194,6 +194,9 @@ pub struct GovernArgs {
     /// One budget decision with --budget-store, ms; past it the budget's on_store_error applies (default 50).
     #[arg(long, env = "ENVELOPE_GOVERN_BUDGET_STORE_TIMEOUT_MS")]
     pub budget_store_timeout_ms: Option<u64>,
+    /// Threads serving connections: 1 (default) runs one event loop, as one nginx worker does (counting with a tokenizer runs on threads of its own either way); more share the connections between that many threads.
+    #[arg(long, env = "ENVELOPE_GOVERN_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
 }
 
 macro_rules! merge {
@@ -263,9 +266,35 @@ impl GovernArgs {
             audio_part_tokens,
             budgets,
             budget_store,
-            budget_store_timeout_ms
+            budget_store_timeout_ms,
+            worker_threads
         );
         Ok(self)
+    }
+
+    /// The runtime that serves the governor: for one worker thread, one
+    /// event loop on this thread (beside nginx it carried more requests/s
+    /// than tokio's multi-thread scheduler, whose workers hand each other
+    /// tasks and wake each other: docs/govern.md), else the multi-thread
+    /// scheduler with that many workers.
+    ///
+    /// # Errors
+    /// `worker_threads` is 0, or the runtime cannot start.
+    pub fn runtime(&self) -> Result<tokio::runtime::Runtime, StartError> {
+        let mut b = match self.worker_threads.unwrap_or(1) {
+            0 => {
+                return Err(StartError::Invalid(
+                    "--worker-threads (worker_threads): must be at least 1".into(),
+                ))
+            }
+            1 => tokio::runtime::Builder::new_current_thread(),
+            n => {
+                let mut b = tokio::runtime::Builder::new_multi_thread();
+                b.worker_threads(n);
+                b
+            }
+        };
+        Ok(b.enable_all().build()?)
     }
 
     /// Profile (read and validated) plus overrides -> settings.

@@ -22,9 +22,7 @@ pub fn run(args: GovernArgs) -> Result<(), StartError> {
     if let Some(tiers) = args.tiers.clone() {
         return crate::tiers::run(args, tiers);
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let rt = args.runtime()?;
     rt.block_on(run_async(args))
 }
 

@@ -43,9 +43,7 @@ pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
                 .into(),
         ));
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let rt = args.runtime()?;
     rt.block_on(run_async(args, path))
 }
 
