@@ -12,7 +12,8 @@ use crate::admission::{Governor, Permit};
 use crate::client::Answer;
 use crate::metrics::label;
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use futures::StreamExt;
 use std::pin::Pin;
@@ -273,7 +274,7 @@ pub(super) fn stream_back(
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
-    extra: Vec<(&'static str, String)>,
+    extra: super::Extra,
 ) -> Response {
     stream_back_with(s, resp, permit, sent_at, end, extra, None)
 }
@@ -285,7 +286,7 @@ pub(crate) fn stream_back_with(
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
-    extra: Vec<(&'static str, String)>,
+    extra: super::Extra,
     on_end: Option<OnEnd>,
 ) -> Response {
     let (status, up_headers, body) = resp.into_parts();
@@ -296,12 +297,10 @@ pub(crate) fn stream_back_with(
         }
     }
     for (k, v) in extra {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            headers.insert(HeaderName::from_static(k), v);
-        }
+        headers.insert(k, v);
     }
     let sse = headers
-        .get("content-type")
+        .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     // A whole body goes back with the upstream's length (the relay never

@@ -18,7 +18,7 @@ use crate::proxy::{self, Incoming, Placed, Wait};
 use crate::request::Endpoint;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,7 +53,7 @@ struct Whole {
     headers: HeaderMap,
     body: Bytes,
     answer: Option<Answer>,
-    placed_headers: Vec<(&'static str, String)>,
+    placed_headers: proxy::Extra,
     cost: f64,
 }
 
@@ -266,12 +266,13 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
     let mut r = Response::new(Body::from(w.body));
     *r.status_mut() = w.status;
     *r.headers_mut() = w.headers;
-    let mut extra: Vec<(&'static str, String)> = w.placed_headers;
-    extra.push(("x-envelope-tier", live.tiers[w.tier].name.clone()));
-    extra.push(("x-envelope-route-reason", s.reason.clone()));
-    extra.push(("x-envelope-tiers-version", live.file.version.clone()));
-    extra.push(("x-envelope-cache", s.cache.to_string()));
-    extra.push(("x-envelope-cost", format!("{:.9}", s.cost)));
+    let mut extra: Vec<(&'static str, String)> = vec![
+        ("x-envelope-tier", live.tiers[w.tier].name.clone()),
+        ("x-envelope-route-reason", s.reason.clone()),
+        ("x-envelope-tiers-version", live.file.version.clone()),
+        ("x-envelope-cache", s.cache.to_string()),
+        ("x-envelope-cost", format!("{:.9}", s.cost)),
+    ];
     if let Some(f) = s.fell_back_from {
         extra.push(("x-envelope-fallback-from", live.tiers[f].name.clone()));
     }
@@ -282,16 +283,11 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
     if let Some(why) = &s.escalation_failed {
         extra.push(("x-envelope-escalation", format!("failed: {why}")));
     }
-    add_headers(r.headers_mut(), extra);
-    r
-}
-
-fn add_headers(h: &mut HeaderMap, extra: Vec<(&'static str, String)>) {
-    for (k, v) in extra {
-        if let Ok(v) = HeaderValue::from_str(&v) {
-            h.insert(HeaderName::from_static(k), v);
-        }
+    let h = r.headers_mut();
+    for (k, v) in w.placed_headers.into_iter().chain(proxy::named(extra)) {
+        h.insert(k, v);
     }
+    r
 }
 
 /// A refusal the router answers itself, counted by reason.
@@ -703,11 +699,13 @@ async fn stream_through(
         }
     };
     let status = resp.status();
-    let mut extra = proxy::placed_headers(&placed);
-    extra.push(("x-envelope-tier", live.tiers[tier].name.clone()));
-    extra.push(("x-envelope-route-reason", story.reason.clone()));
-    extra.push(("x-envelope-tiers-version", live.file.version.clone()));
-    extra.push(("x-envelope-cache", "off".into()));
+    let mut placed_headers = proxy::placed_headers(&placed);
+    let mut extra: Vec<(&'static str, String)> = vec![
+        ("x-envelope-tier", live.tiers[tier].name.clone()),
+        ("x-envelope-route-reason", story.reason.clone()),
+        ("x-envelope-tiers-version", live.file.version.clone()),
+        ("x-envelope-cache", "off".into()),
+    ];
     if let Some(f) = story.fell_back_from {
         extra.push(("x-envelope-fallback-from", live.tiers[f].name.clone()));
     }
@@ -745,7 +743,10 @@ async fn stream_through(
         Some(placed.permit),
         Some(sent_at),
         end,
-        extra,
+        {
+            placed_headers.extend(proxy::named(extra));
+            placed_headers
+        },
         Some(on_end),
     )
     .into_response())
