@@ -21,6 +21,13 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Where it is served (and forwarded to).
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
     pub fn prompt_param(self) -> &'static str {
         match self {
             Endpoint::Completions => "prompt",
