@@ -514,8 +514,7 @@ pub(crate) async fn place(
     s.gov
         .metrics
         .token_counts
-        .get_or_create(&[("source", source.label())])
-        .inc();
+        .inc(source as usize, source.label());
     // Against the profile: what can never fit is a 400. Against today's
     // caps (a live guard may have lowered them): what fits the profile but
     // not them is deferred with a 429, never refused for good.
@@ -605,13 +604,11 @@ pub(crate) async fn place(
     s.gov
         .metrics
         .output_decisions
-        .get_or_create(&[("decision", plan.decision.label())])
-        .inc();
+        .inc(plan.decision as usize, plan.decision.label());
     s.gov
         .metrics
         .admitted
-        .get_or_create(&[("endpoint", parsed.endpoint.label())])
-        .inc();
+        .inc(parsed.endpoint as usize, parsed.endpoint.label());
     Ok(Some(Placed {
         permit,
         plan,
