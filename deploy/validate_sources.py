@@ -170,7 +170,7 @@ def check_toml_fields(data, sources, struct, file, at=""):
 REG_CALL = re.compile(r'(?:\breg!|\.register)\(\s*"')
 REG = re.compile(
     r'(?:\breg!|\.register)\(\s*"([^"]+)"\s*,\s*"(?:[^"\\]|\\.)*"\s*,\s*'
-    r'm\.(\w+)(?:\.clone\(\))?\s*,?\s*\)', re.S)
+    r'm\.(\w+)(?:\.family)?(?:\.clone\(\))?\s*,?\s*\)', re.S)
 
 
 def governor_metrics():
@@ -251,6 +251,7 @@ def governor_labels():
             if fn.endswith(".rs"):
                 text = read(os.path.join(dirpath, fn))
                 out.update(re.findall(r'\blabel\(\s*"(\w+)"', text))
+                out.update(re.findall(r'\bWordCounters::new\(\s*"(\w+)"', text))
                 for pairs in re.findall(r"\blabels\(\s*&\[(.*?)\]\s*\)", text, re.S):
                     out.update(re.findall(r'\(\s*"(\w+)"\s*,', pairs))
     return out
