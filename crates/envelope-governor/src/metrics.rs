@@ -354,6 +354,9 @@ mod tests {
             assert!(text.contains(line), "{line} in {text}");
         }
         // Nothing is shown before it is counted.
-        assert!(!text.contains("envelope_governor_token_counts_total{"), "{text}");
+        assert!(
+            !text.contains("envelope_governor_token_counts_total{"),
+            "{text}"
+        );
     }
 }
