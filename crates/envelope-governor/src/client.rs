@@ -49,23 +49,21 @@ impl UpstreamClient {
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<Answer, String> {
-        let uri = url.parse::<Uri>().map_err(|e| format!("{url}: {e}"));
+        let uri = url.parse::<Uri>().map_err(|e| format!("{url}: {e}"))?;
         self.send_to(method, uri, headers, body).await
     }
 
-    /// [`UpstreamClient::send`] to a parsed URI (or the reason the URL
-    /// did not parse, which comes back as the error).
+    /// [`UpstreamClient::send`] to a parsed URI.
     ///
     /// # Errors
-    /// As [`UpstreamClient::send`].
+    /// As [`UpstreamClient::send`], less the parse.
     pub async fn send_to(
         &self,
         method: Method,
-        uri: Result<Uri, String>,
+        uri: Uri,
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<Answer, String> {
-        let uri = uri?;
         let url = uri.clone();
         let mut req = Request::new(Body::from(body));
         *req.method_mut() = method;

@@ -50,23 +50,24 @@ pub struct AppState {
     /// Requests being counted at once.
     counting: Arc<tokio::sync::Semaphore>,
     /// The two governed endpoints' URIs, parsed once (a URL formatted
-    /// and parsed every request was 2% of the governor's instructions);
-    /// `None` when the base does not parse, and the send says why.
-    endpoint_uris: Option<[Uri; 2]>,
+    /// and parsed every request was 2% of the governor's instructions),
+    /// or why the base does not parse, which every send then reports.
+    endpoint_uris: Result<[Uri; 2], String>,
 }
 
 impl AppState {
     pub fn new(gov: Arc<Governor>, upstream: &str, counter: TokenCounter) -> AppState {
         let s = gov.settings();
         let upstream = upstream.trim_end_matches('/').to_string();
-        let uri = |e: Endpoint| format!("{upstream}{}", e.path()).parse::<Uri>().ok();
+        let uri = |e: Endpoint| {
+            let url = format!("{upstream}{}", e.path());
+            url.parse::<Uri>().map_err(|err| format!("{url}: {err}"))
+        };
         AppState {
             client: upstream_client(&s),
             counting: Arc::new(tokio::sync::Semaphore::new(s.max_counting)),
             gov,
-            endpoint_uris: uri(Endpoint::Completions)
-                .zip(uri(Endpoint::Chat))
-                .map(|(a, b)| [a, b]),
+            endpoint_uris: uri(Endpoint::Completions).and_then(|a| Ok([a, uri(Endpoint::Chat)?])),
             upstream,
             counter,
             reload: None,
@@ -634,19 +635,16 @@ pub(crate) async fn send(
     let body = parsed.body_with_max_tokens(bytes, placed.plan.max_tokens);
     let mut headers = forward_headers(&inc.parts.headers);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    let uri = match &s.endpoint_uris {
-        Some(u) => Ok(u[parsed.endpoint as usize].clone()),
-        None => {
-            let url = format!("{}{}", s.upstream, parsed.endpoint.path());
-            url.parse::<Uri>().map_err(|e| format!("{url}: {e}"))
-        }
-    };
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
         .min(inc.end.saturating_duration_since(Instant::now()));
     s.gov.note_added_latency(inc.arrived.elapsed());
     if let Some(h) = &placed.permit.budget {
         h.mark_sent();
     }
+    let uri = match &s.endpoint_uris {
+        Ok(u) => u[parsed.endpoint as usize].clone(),
+        Err(e) => return Err(upstream_error(s, e.clone(), false)),
+    };
     let send = s.client.send_to(Method::POST, uri.clone(), headers, body);
     let mut cut = s.gov.cut_signal();
     tokio::select! {
@@ -657,11 +655,7 @@ pub(crate) async fn send(
             Ok(Err(e)) => Err(upstream_error(s, e, false)),
             Err(_) => Err(upstream_error(
                 s,
-                format!(
-                    "{}: no response headers in {} ms",
-                    uri.map_or_else(|url| url, |u| u.to_string()),
-                    timeout.as_millis()
-                ),
+                format!("{uri}: no response headers in {} ms", timeout.as_millis()),
                 true,
             )),
         },
