@@ -8,7 +8,7 @@
 //! and a connect timeout bounds an unreachable upstream.
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::http::header::CONTENT_TYPE;
+use axum::http::header::{CONTENT_TYPE, HOST};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use axum::BoxError;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -31,6 +31,8 @@ impl UpstreamClient {
         UpstreamClient(
             Client::builder(TokioExecutor::new())
                 .pool_max_idle_per_host(MAX_IDLE)
+                // `send_to` sets it, from a value the caller may have made once.
+                .set_host(false)
                 .build(c),
         )
     }
@@ -53,7 +55,8 @@ impl UpstreamClient {
         self.send_to(method, uri, headers, body).await
     }
 
-    /// [`UpstreamClient::send`] to a parsed URI.
+    /// [`UpstreamClient::send`] to a parsed URI, with a Host header from
+    /// its authority unless `headers` has one.
     ///
     /// # Errors
     /// As [`UpstreamClient::send`], less the parse.
@@ -61,9 +64,13 @@ impl UpstreamClient {
         &self,
         method: Method,
         uri: Uri,
-        headers: HeaderMap,
+        mut headers: HeaderMap,
         body: Bytes,
     ) -> Result<Answer, String> {
+        if !headers.contains_key(HOST) {
+            let host = host_of(&uri).ok_or_else(|| format!("{uri}: no host to connect to"))?;
+            headers.insert(HOST, host);
+        }
         let url = uri.clone();
         let mut req = Request::new(Body::from(body));
         *req.method_mut() = method;
@@ -96,6 +103,16 @@ impl UpstreamClient {
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         self.send(Method::POST, url, headers, body.to_string().into())
             .await
+    }
+}
+
+/// The Host header for requests to `uri`: its host and port (any user
+/// information in the URL left out).
+pub(crate) fn host_of(uri: &Uri) -> Option<HeaderValue> {
+    let a = uri.authority()?;
+    match a.port() {
+        Some(p) => HeaderValue::from_str(&format!("{}:{p}", a.host())).ok(),
+        None => HeaderValue::from_str(a.host()).ok(),
     }
 }
 

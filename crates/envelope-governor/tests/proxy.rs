@@ -71,6 +71,23 @@ async fn streams_pass_through_chunk_by_chunk_with_headers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_upstream_is_sent_its_own_host() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    let r = g
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2}))
+        .await;
+    assert_eq!(r.status(), 200);
+    // The governor's base URL names the fake upstream; the client's Host
+    // (the governor's own address) is not forwarded.
+    let upstream = g.upstream.trim_start_matches("http://").to_string();
+    assert_ne!(upstream, g.base.trim_start_matches("http://"));
+    assert_eq!(
+        g.fake.last_host.lock().unwrap().as_deref(),
+        Some(upstream.as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn get_paths_pass_through_and_others_are_404() {
     let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
     let r = g.client.get(g.url("/v1/models")).send().await.unwrap();

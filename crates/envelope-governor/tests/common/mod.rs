@@ -34,6 +34,8 @@ pub struct Fake {
     pub kv_in_flight: AtomicI64,
     pub max_kv_in_flight: AtomicI64,
     pub last_body: Mutex<Option<Value>>,
+    /// The Host header of the last completion request.
+    pub last_host: Mutex<Option<String>>,
     /// /tokenize: calls, most at once, and a delay before answering.
     pub tokenize_calls: AtomicU64,
     pub tokenize_in_flight: AtomicI64,
@@ -94,8 +96,15 @@ fn prompt_tokens(body: &Value) -> u64 {
         .unwrap_or(0)
 }
 
-async fn generate(State(fake): State<Arc<Fake>>, body: Bytes) -> Response {
+async fn generate(
+    State(fake): State<Arc<Fake>>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
     fake.requests.fetch_add(1, Ordering::SeqCst);
+    *fake.last_host.lock().unwrap() = headers
+        .get("host")
+        .map(|h| String::from_utf8_lossy(h.as_bytes()).into_owned());
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     *fake.last_body.lock().unwrap() = Some(v.clone());
     if fake.redirect.load(Ordering::SeqCst) {
