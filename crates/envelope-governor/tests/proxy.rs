@@ -88,6 +88,25 @@ async fn the_upstream_is_sent_its_own_host() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_posts_to_the_governed_paths_are_governed() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let r = g.client.get(g.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 405, "GET {path}");
+    }
+    // A path that only starts like a governed one is not governed either.
+    let r = g.post("/v1/completions/x", json!({"prompt": "hi"})).await;
+    assert_eq!(r.status(), 404);
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 0);
+    let r = g
+        .post("/v1/completions", json!({"prompt": "hi", "max_tokens": 2}))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-max-tokens"], "2");
+    assert_eq!(g.fake.requests.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn get_paths_pass_through_and_others_are_404() {
     let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
     let r = g.client.get(g.url("/v1/models")).send().await.unwrap();

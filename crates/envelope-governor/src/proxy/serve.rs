@@ -4,9 +4,17 @@
 //! for the admin check, and a graceful end: when `shutdown` resolves (after
 //! the governor drained) no connection is accepted and open ones close once
 //! their responses are done, within a bound.
+//!
+//! The two governed endpoints go straight to their handler; every other
+//! request goes through the router. Routing, its extensions and its
+//! boxed futures were about 5% of the governor's instructions a request
+//! (callgrind, one machine), for a choice a method and a path comparison
+//! make.
 
-use super::{app, AppState};
-use axum::extract::ConnectInfo;
+use super::{app, governed, AppState};
+use crate::request::Endpoint;
+use axum::extract::{ConnectInfo, State};
+use axum::http::Method;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,13 +34,37 @@ pub async fn serve(
         settings.max_connections,
         Duration::from_millis(settings.header_read_timeout_ms),
     );
-    serve_router(listener, app(state), limits, shutdown).await
+    serve_routes(listener, app(state.clone()), Some(state), limits, shutdown).await
+}
+
+/// The governed endpoint `req` asks for, if it is one.
+fn governed_endpoint<B>(req: &hyper::Request<B>) -> Option<Endpoint> {
+    if req.method() != Method::POST {
+        return None;
+    }
+    match req.uri().path() {
+        "/v1/completions" => Some(Endpoint::Completions),
+        "/v1/chat/completions" => Some(Endpoint::Chat),
+        _ => None,
+    }
 }
 
 /// Serves `router` with (most connections, header read timeout).
 pub(crate) async fn serve_router(
     listener: tokio::net::TcpListener,
     router: axum::Router,
+    limits: (usize, Duration),
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    serve_routes(listener, router, None, limits, shutdown).await
+}
+
+/// [`serve_router`], with the governed endpoints of `direct` (when given)
+/// answered without the router.
+async fn serve_routes(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    direct: Option<Arc<AppState>>,
     (max_connections, header_timeout): (usize, Duration),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -62,10 +94,26 @@ pub(crate) async fn serve_router(
         };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
+        let direct = direct.clone();
         let service =
             hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(ConnectInfo(peer));
-                router.clone().oneshot(req.map(axum::body::Body::new))
+                let to = direct
+                    .as_ref()
+                    .and_then(|s| Some((s.clone(), governed_endpoint(&req)?)));
+                let router = router.clone();
+                async move {
+                    let req_body =
+                        |r: hyper::Request<hyper::body::Incoming>| r.map(axum::body::Body::new);
+                    match to {
+                        Some((s, endpoint)) => {
+                            Ok(governed(State(s), endpoint, req_body(req)).await)
+                        }
+                        None => {
+                            req.extensions_mut().insert(ConnectInfo(peer));
+                            router.oneshot(req_body(req)).await
+                        }
+                    }
+                }
             });
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
