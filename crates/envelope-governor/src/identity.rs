@@ -9,9 +9,12 @@
 use crate::error::GovernError;
 use crate::queue::Class;
 use crate::settings::{valid_tenant_name, TenantsFile, MAX_TENANT_NAME};
-use axum::http::HeaderMap;
+use axum::http::header::AUTHORIZATION;
+use axum::http::{HeaderMap, HeaderName};
 
 pub const CLASS_HEADER: &str = "x-envelope-class";
+/// [`CLASS_HEADER`] as a name (looking up by text parses it each time).
+const CLASS_NAME: HeaderName = HeaderName::from_static(CLASS_HEADER);
 /// The feature a call is for (budgets per feature, cost per feature).
 pub const FEATURE_HEADER: &str = "x-envelope-feature";
 
@@ -28,7 +31,7 @@ pub struct Identity {
 }
 
 fn bearer(h: &HeaderMap) -> Option<&str> {
-    let v = h.get("authorization")?.to_str().ok()?;
+    let v = h.get(AUTHORIZATION)?.to_str().ok()?;
     let (scheme, key) = v.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
 }
@@ -71,7 +74,7 @@ pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
 /// for a class the tenant may not use.
 pub fn class(t: &TenantsFile, tenant: &str, h: &HeaderMap) -> Result<Class, GovernError> {
     let allowed = t.classes_of(tenant);
-    let Some(v) = h.get(CLASS_HEADER) else {
+    let Some(v) = h.get(CLASS_NAME) else {
         return Ok(allowed[0]);
     };
     let c = v.to_str().ok().and_then(Class::parse).ok_or_else(|| {

@@ -87,6 +87,7 @@ pub fn upstream_client(s: &Settings) -> UpstreamClient {
 }
 
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
+const DEADLINE_NAME: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
 pub(crate) const ADMIN_DENIED: &str =
     "admin endpoints answer loopback or a valid x-envelope-admin-token";
 
@@ -431,7 +432,7 @@ pub(crate) async fn read_request(
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
-        .get("content-length")
+        .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
     {
@@ -455,7 +456,7 @@ pub(crate) async fn read_request(
     }
     let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
     let parsed = request::parse(endpoint, &bytes)?;
-    let deadline_ms = match parts.headers.get(DEADLINE_HEADER) {
+    let deadline_ms = match parts.headers.get(DEADLINE_NAME) {
         None => settings.class_deadline_ms(class),
         Some(v) => v
             .to_str()

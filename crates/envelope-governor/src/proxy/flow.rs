@@ -419,6 +419,9 @@ pub(crate) fn stream_back_with(
     for k in hop {
         headers.remove(k);
     }
+    // Room for the extras and the tenant and class headers added after,
+    // made once (growing the map as they come rehashed it).
+    headers.reserve(extra.len() + 2);
     for (k, v) in extra {
         headers.insert(k, v);
     }
