@@ -166,8 +166,37 @@ pub const OUTPUT_FIELDS: &[&str] = &[
     "max_new_tokens",
 ];
 
-fn int_field(obj: &Map<String, Value>, name: &'static str) -> Result<Option<i64>, GovernError> {
-    match obj.get(name) {
+/// The integer fields a request may set, found in one pass over its
+/// fields (a tree search per name was 1.2% of the governor's instructions
+/// a request): the output fields in [`OUTPUT_FIELDS`]' order, then
+/// `min_tokens`, `n` and `best_of`.
+fn int_fields(obj: &Map<String, Value>) -> IntFields<'_> {
+    let mut f = IntFields::default();
+    for (k, v) in obj {
+        match k.as_str() {
+            "min_tokens" => f.min_tokens = Some(v),
+            "n" => f.n = Some(v),
+            "best_of" => f.best_of = Some(v),
+            k => {
+                if let Some(i) = OUTPUT_FIELDS.iter().position(|o| *o == k) {
+                    f.output[i] = Some(v);
+                }
+            }
+        }
+    }
+    f
+}
+
+#[derive(Default)]
+struct IntFields<'a> {
+    output: [Option<&'a Value>; OUTPUT_FIELDS.len()],
+    min_tokens: Option<&'a Value>,
+    n: Option<&'a Value>,
+    best_of: Option<&'a Value>,
+}
+
+fn int_field(v: Option<&Value>, name: &'static str) -> Result<Option<i64>, GovernError> {
+    match v {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) => match n.as_i64() {
             Some(v) => Ok(Some(v)),
@@ -297,11 +326,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
             ))
         }
     };
+    let ints = int_fields(&obj);
     let mut output_fields = Vec::new();
     let mut largest: Option<u64> = None;
     let mut unbounded = false;
-    for &field in OUTPUT_FIELDS {
-        let Some(v) = int_field(&obj, field)? else {
+    for (&field, &v) in OUTPUT_FIELDS.iter().zip(&ints.output) {
+        let Some(v) = int_field(v, field)? else {
             continue;
         };
         output_fields.push(field);
@@ -324,7 +354,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
         }
         _ => "max_tokens",
     };
-    let min_tokens = match int_field(&obj, "min_tokens")? {
+    let min_tokens = match int_field(ints.min_tokens, "min_tokens")? {
         Some(v) if v < 0 => {
             return Err(GovernError::invalid(
                 Some("min_tokens"),
@@ -334,8 +364,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
         v => v.map(|v| v as u64),
     };
     let mut n = 1;
-    for name in ["n", "best_of"] {
-        match int_field(&obj, name)? {
+    for (name, v) in [("n", ints.n), ("best_of", ints.best_of)] {
+        match int_field(v, name)? {
             None => {}
             Some(v) if (1..=MAX_N as i64).contains(&v) => n = n.max(v as u64),
             Some(v) => {
