@@ -151,33 +151,18 @@ impl TokenCounter {
     /// Only the upstream counter fails: 502 when `/tokenize` is unreachable,
     /// 504 when it does not answer within its timeout.
     pub async fn count(&self, req: &ParsedRequest) -> Result<(Vec<u64>, CountSource), GovernError> {
-        if let Prompts::Tokens(t) = &req.prompts {
-            return Ok((
-                t.iter().map(|x| x.len() as u64).collect(),
-                CountSource::TokenIds,
-            ));
+        if let Some(now) = self.count_now(req) {
+            return Ok(now);
         }
         match self {
+            // Counted now, above.
             TokenCounter::Estimate { bytes_per_token } => {
                 Ok((estimate(req, *bytes_per_token), CountSource::Estimate))
             }
             TokenCounter::Tokenizer(t) => {
-                let encode = |t: &TextTokenizer, prompts: &Prompts| -> Vec<u64> {
-                    match prompts {
-                        Prompts::Texts(v) => v.iter().map(|p| encode_len(t, p)).collect(),
-                        Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(t, x))],
-                        Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
-                    }
-                };
-                // A short prompt encodes in microseconds, less than a hand-off
-                // to the blocking pool costs; a long one would hold an async
-                // worker thread for milliseconds, so it goes there.
-                if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES {
-                    return Ok((encode(t, &req.prompts), CountSource::Tokenizer));
-                }
                 let t = t.clone();
                 let prompts = req.prompts.clone();
-                let counts = tokio::task::spawn_blocking(move || encode(&t, &prompts))
+                let counts = tokio::task::spawn_blocking(move || encode_all(&t, &prompts))
                     .await
                     .map_err(|e| GovernError::invalid(None, format!("counting failed: {e}")))?;
                 Ok((counts, CountSource::Tokenizer))
@@ -224,6 +209,41 @@ impl TokenCounter {
                 })
             }
         }
+    }
+}
+
+impl TokenCounter {
+    /// The counts when they take no waiting: token ids, the estimate, and
+    /// a short prompt through a local tokenizer (it encodes in
+    /// microseconds, less than a hand-off to the blocking pool costs; a
+    /// long one would hold the event loop for milliseconds, so it goes
+    /// there). `None`: the count needs [`TokenCounter::count`]'s wait,
+    /// which callers bound with a timeout and a cap on counts at once.
+    pub fn count_now(&self, req: &ParsedRequest) -> Option<(Vec<u64>, CountSource)> {
+        if let Prompts::Tokens(t) = &req.prompts {
+            return Some((
+                t.iter().map(|x| x.len() as u64).collect(),
+                CountSource::TokenIds,
+            ));
+        }
+        match self {
+            TokenCounter::Estimate { bytes_per_token } => {
+                Some((estimate(req, *bytes_per_token), CountSource::Estimate))
+            }
+            TokenCounter::Tokenizer(t) if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES => {
+                Some((encode_all(t, &req.prompts), CountSource::Tokenizer))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Each prompt's (or the chat's) tokens with `t`.
+fn encode_all(t: &TextTokenizer, prompts: &Prompts) -> Vec<u64> {
+    match prompts {
+        Prompts::Texts(v) => v.iter().map(|p| encode_len(t, p)).collect(),
+        Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(t, x))],
+        Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
     }
 }
 
@@ -311,5 +331,30 @@ mod tests {
         let r = parse(Endpoint::Completions, br#"{"prompt":"x"}"#).unwrap();
         let e = c.count(&r).await.unwrap_err();
         assert_eq!(e.status().as_u16(), 502);
+    }
+
+    #[test]
+    fn only_counts_that_wait_are_left_to_count() {
+        let text = parse(Endpoint::Completions, br#"{"prompt":"hello there"}"#).unwrap();
+        let ids = parse(Endpoint::Completions, br#"{"prompt":[1,2,3]}"#).unwrap();
+        let estimate = TokenCounter::Estimate {
+            bytes_per_token: 3.0,
+        };
+        assert_eq!(
+            estimate.count_now(&text).map(|c| c.1),
+            Some(CountSource::Estimate)
+        );
+        let upstream = TokenCounter::Upstream {
+            client: crate::client::UpstreamClient::new(Duration::from_secs(2)),
+            url: "http://127.0.0.1:9/tokenize".into(),
+            timeout: Duration::from_secs(2),
+        };
+        // A /tokenize call waits (under the caller's timeout and cap)...
+        assert!(upstream.count_now(&text).is_none());
+        // ...token ids never need one.
+        assert_eq!(
+            upstream.count_now(&ids),
+            Some((vec![3], CountSource::TokenIds))
+        );
     }
 }
