@@ -10,12 +10,13 @@
 //! address (the log does).
 
 mod flow;
+mod headers;
 mod serve;
 
 use crate::admission::{Ask, Governor, Permit};
 use crate::client::{Answer, UpstreamClient};
 use crate::error::GovernError;
-use crate::identity::{self, Identity, CLASS_HEADER};
+use crate::identity::{self, Identity};
 use crate::metrics::label;
 use crate::policy;
 use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
@@ -29,6 +30,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
+pub(crate) use headers::{forward_headers, named, placed_headers, Extra, HOP_BY_HOP};
+use headers::{CLASS, TENANT_HEADER};
 pub use serve::serve;
 pub(crate) use serve::serve_router;
 use std::net::SocketAddr;
@@ -255,31 +258,6 @@ fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
     s.gov.note_upstream_error();
     tracing::warn!(reason = e.reason(), "upstream: {detail}");
     e
-}
-
-pub(crate) const HOP_BY_HOP: &[&str] = &[
-    "host",
-    "content-length",
-    "connection",
-    "transfer-encoding",
-    "keep-alive",
-    "upgrade",
-    "te",
-    "trailer",
-    "proxy-connection",
-];
-
-pub(crate) fn forward_headers(h: &HeaderMap) -> HeaderMap {
-    let mut out = HeaderMap::with_capacity(h.len());
-    for (k, v) in h {
-        let name = k.as_str();
-        if HOP_BY_HOP.contains(&name) || name == DEADLINE_HEADER || name.starts_with("x-envelope-")
-        {
-            continue;
-        }
-        out.append(k.clone(), v.clone());
-    }
-    out
 }
 
 pub(crate) fn reject(s: &AppState, e: GovernError) -> Response {
@@ -679,57 +657,6 @@ pub(crate) async fn send(
         },
         _ = cut.wait_for(|c| *c) => Err(GovernError::Draining),
     }
-}
-
-/// Headers added to an answer. The names the governor adds to every
-/// answer are constants: parsing a name from text on every request was
-/// about 2% of the governor's instructions a request.
-pub(crate) type Extra = Vec<(HeaderName, HeaderValue)>;
-
-/// `(name, text)` pairs as [`Extra`] (the rarer headers: budgets, tiers);
-/// a text that is not a header value is left out.
-pub(crate) fn named(
-    pairs: impl IntoIterator<Item = (&'static str, String)>,
-) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
-    pairs.into_iter().filter_map(|(k, v)| {
-        let v = HeaderValue::from_str(&v).ok()?;
-        Some((HeaderName::from_static(k), v))
-    })
-}
-
-const MAX_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-max-tokens");
-const DECISION_HEADER: HeaderName = HeaderName::from_static("x-envelope-max-tokens-decision");
-const PROMPT_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-prompt-tokens");
-const TOKEN_COUNT_HEADER: HeaderName = HeaderName::from_static("x-envelope-token-count");
-const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms");
-const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
-const CLASS: HeaderName = HeaderName::from_static(CLASS_HEADER);
-
-/// The headers that say what the governor did with a placed request.
-pub(crate) fn placed_headers(placed: &Placed) -> Extra {
-    let mut out = vec![
-        (MAX_TOKENS_HEADER, HeaderValue::from(placed.plan.max_tokens)),
-        (
-            DECISION_HEADER,
-            HeaderValue::from_static(placed.plan.decision.label()),
-        ),
-        (
-            PROMPT_TOKENS_HEADER,
-            HeaderValue::from(placed.plan.prompt_tokens),
-        ),
-        (
-            TOKEN_COUNT_HEADER,
-            HeaderValue::from_static(placed.source.label()),
-        ),
-        (
-            QUEUE_MS_HEADER,
-            HeaderValue::from(placed.permit.queued_for.as_millis() as u64),
-        ),
-    ];
-    if let Some(h) = &placed.permit.budget {
-        out.extend(named(h.headers().iter().cloned()));
-    }
-    out
 }
 
 async fn handle(
