@@ -384,15 +384,15 @@ mod tests {
         (url, accepted)
     }
 
+    /// GET `/x` of `url`: the answer, its body not yet read.
+    async fn get_x(c: &UpstreamClient, url: &str) -> Result<Answer, String> {
+        let path = format!("{url}/x");
+        c.send(Method::GET, &path, HeaderMap::new(), Bytes::new())
+            .await
+    }
+
     async fn get(c: &UpstreamClient, url: &str) -> Result<Bytes, String> {
-        let a = c
-            .send(
-                Method::GET,
-                &format!("{url}/x"),
-                HeaderMap::new(),
-                Bytes::new(),
-            )
-            .await?;
+        let a = get_x(c, url).await?;
         assert_eq!(a.status(), StatusCode::OK);
         a.bytes().await.map_err(|e| e.to_string())
     }
@@ -431,15 +431,7 @@ mod tests {
         let (url, accepted) = upstream(Serve::Stall).await;
         let c = UpstreamClient::new(Duration::from_secs(2));
         for _ in 0..2 {
-            let a = c
-                .send(
-                    Method::GET,
-                    &format!("{url}/x"),
-                    HeaderMap::new(),
-                    Bytes::new(),
-                )
-                .await
-                .unwrap();
+            let a = get_x(&c, &url).await.unwrap();
             let mut body = a.body;
             let first = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx))
                 .await
