@@ -446,6 +446,38 @@ async fn a_request_ends_at_its_lifetime() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_lifetime_ends_a_relay_whose_upstream_never_waits() {
+    // An upstream body that always has its next chunk at hand: the relay
+    // never waits on it (so never on its timer), and must still end the
+    // answer at the request's lifetime.
+    let g = start(limits(1000, 100, 4, 4000), |s| s.max_request_ms = 300).await;
+    let state = envelope_governor::AppState::new(g.gov.clone(), &g.upstream, estimate().unwrap());
+    let endless = futures::stream::repeat_with(|| {
+        Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"x"))
+    });
+    let upstream = axum::http::Response::builder()
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from_stream(endless))
+        .unwrap();
+    let answer = envelope_governor::relay(&state, envelope_governor::Answer::from(upstream), None);
+    let mut body = answer.into_body().into_data_stream();
+    let t0 = Instant::now();
+    let mut ended = false;
+    while t0.elapsed() < Duration::from_secs(10) {
+        match body.next().await {
+            Some(Ok(_)) => {}
+            // A whole body cut short ends in an error.
+            Some(Err(_)) | None => {
+                ended = true;
+                break;
+            }
+        }
+    }
+    assert!(ended, "still relaying after {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn only_allowlisted_get_paths_reach_the_upstream() {
     let g = start(limits(1000, 10, 4, 4000), |_| {}).await;
     for path in ["/metrics/", "/debug/pprof", "/v1/../admin", "/server-info"] {

@@ -342,11 +342,16 @@ impl HttpBody for Flow {
         if *f.cut.borrow() {
             return Poll::Ready(Some(f.stop(Stop::Drain)));
         }
-        loop {
-            let stop = match Pin::new(&mut f.inner).poll_frame(cx) {
+        let stop = loop {
+            break match Pin::new(&mut f.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(b) => {
                         let now = Instant::now();
+                        // The lifetime holds while data flows too (the
+                        // timer is only polled when the upstream waits).
+                        if Deadline::from_std(now) >= f.end {
+                            break Stop::Lifetime;
+                        }
                         f.observe_chunk(&b, now);
                         f.yielded_at = Some(now);
                         f.silent_at = Deadline::from_std(now) + f.idle;
@@ -366,8 +371,8 @@ impl HttpBody for Flow {
                     Poll::Pending => return Poll::Pending,
                 },
             };
-            return Poll::Ready(Some(f.stop(stop)));
-        }
+        };
+        Poll::Ready(Some(f.stop(stop)))
     }
 }
 
