@@ -19,6 +19,7 @@ use axum::http::header::{CONTENT_TYPE, HOST};
 use axum::http::uri::{Authority, Scheme};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use axum::BoxError;
+use futures::FutureExt;
 use http_body::Frame;
 use http_body_util::Full;
 use hyper::client::conn::http1::SendRequest;
@@ -30,6 +31,13 @@ use std::time::Duration;
 
 /// Idle connections kept (a governor has one upstream or a few).
 const MAX_IDLE: usize = 1024;
+
+/// How long a kept connection may take to be ready for the next request.
+/// It went back when its answer's body ended and is ready within
+/// microseconds, unless it is stuck (say, still sending a request body
+/// that the upstream answered early and stopped reading); then it is
+/// dropped and another one used.
+const READY_WAIT: Duration = Duration::from_millis(250);
 
 type Sender = SendRequest<Full<Bytes>>;
 
@@ -62,9 +70,17 @@ impl Pool {
     /// for; one that closes instead is dropped.
     async fn checkout(&self, to: &Authority) -> Result<(Sender, bool), String> {
         while let Some(mut sender) = self.take(to) {
-            if sender.ready().await.is_ok() {
+            let ready = match sender.ready().now_or_never() {
+                Some(r) => r.is_ok(),
+                None => matches!(
+                    tokio::time::timeout(READY_WAIT, sender.ready()).await,
+                    Ok(Ok(()))
+                ),
+            };
+            if ready {
                 return Ok((sender, true));
             }
+            // Closed, or stuck: dropping it ends the connection.
         }
         Ok((self.connect(to).await?, false))
     }
@@ -264,13 +280,13 @@ impl HttpBody for Pooled {
     }
 }
 
-/// The Host header for requests to `uri`: its host and port (any user
-/// information in the URL left out).
+/// The Host header for requests to `uri`: its host, and its port unless
+/// that is 80, http's default (any user information in the URL left out).
 pub(crate) fn host_of(uri: &Uri) -> Option<HeaderValue> {
     let a = uri.authority()?;
-    match a.port() {
-        Some(p) => HeaderValue::from_str(&format!("{}:{p}", a.host())).ok(),
-        None => HeaderValue::from_str(a.host()).ok(),
+    match a.port_u16() {
+        Some(p) if p != 80 => HeaderValue::from_str(&format!("{}:{p}", a.host())).ok(),
+        _ => HeaderValue::from_str(a.host()).ok(),
     }
 }
 
@@ -335,6 +351,9 @@ mod tests {
         OneThenClose,
         /// A head promising 100 bytes, 10 of them, then nothing.
         Stall,
+        /// "ok" as soon as the head is in, the request's body never read,
+        /// the socket kept open.
+        EarlyAnswer,
     }
 
     /// A raw HTTP/1.1 upstream on loopback; returns its base URL and how
@@ -360,6 +379,12 @@ mod tests {
                         }
                         buf.clear();
                         match serve {
+                            Serve::EarlyAnswer => {
+                                let _ = s
+                                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                    .await;
+                                tokio::time::sleep(Duration::from_secs(3600)).await;
+                            }
                             Serve::Stall => {
                                 let _ = s
                                     .write_all(
@@ -449,5 +474,33 @@ mod tests {
         let c = UpstreamClient::new(Duration::from_secs(2));
         let e = get(&c, "https://127.0.0.1:9").await.unwrap_err();
         assert!(e.contains("not an http:// URL"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_connection_stuck_sending_is_not_waited_on() {
+        let (url, accepted) = upstream(Serve::EarlyAnswer).await;
+        let c = UpstreamClient::new(Duration::from_secs(2));
+        // More than the sockets buffer: the request's body is still being
+        // sent when the answer has come and been read.
+        let body = Bytes::from(vec![b'a'; 32 << 20]);
+        let a = c
+            .send(Method::POST, &format!("{url}/x"), HeaderMap::new(), body)
+            .await
+            .unwrap();
+        assert_eq!(a.bytes().await.unwrap(), "ok");
+        let second = tokio::time::timeout(Duration::from_secs(10), get(&c, &url)).await;
+        assert_eq!(
+            second.expect("waited on the stuck connection").unwrap(),
+            "ok"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn the_host_header_leaves_out_http_s_default_port() {
+        let host = |u: &str| host_of(&u.parse().unwrap()).unwrap();
+        assert_eq!(host("http://up:80/v1"), "up");
+        assert_eq!(host("http://up:8000/v1"), "up:8000");
+        assert_eq!(host("http://user:pw@[::1]:9/x"), "[::1]:9");
     }
 }
