@@ -17,7 +17,6 @@ use crate::admission::{Ask, Governor, Permit};
 use crate::client::{Answer, UpstreamClient};
 use crate::error::GovernError;
 use crate::identity::{self, Identity};
-use crate::metrics::label;
 use crate::policy;
 use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
 use crate::settings::{path_allowed, Settings};
@@ -250,12 +249,7 @@ fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
     } else {
         GovernError::UpstreamUnreachable("the connection failed".into())
     };
-    s.gov
-        .metrics
-        .upstream_errors
-        .get_or_create(&label("kind", e.reason()))
-        .inc();
-    s.gov.note_upstream_error();
+    s.gov.upstream_failed(e.reason());
     tracing::warn!(reason = e.reason(), "upstream: {detail}");
     e
 }

@@ -85,6 +85,16 @@ impl Governor {
         self.upstream_errors.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// An upstream failure of `kind` the proxy answers for: counted in
+    /// the `upstream_errors` metric and for the live guard.
+    pub(crate) fn upstream_failed(&self, kind: &'static str) {
+        self.metrics
+            .upstream_errors
+            .get_or_create(&crate::metrics::label("kind", kind))
+            .inc();
+        self.note_upstream_error();
+    }
+
     /// Records the time from arrival to the upstream send.
     pub fn note_added_latency(&self, d: Duration) {
         self.metrics.added_latency.observe(d.as_secs_f64());

@@ -18,7 +18,6 @@
 use super::AppState;
 use crate::admission::{Governor, Permit};
 use crate::client::Answer;
-use crate::metrics::label;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::HeaderName;
@@ -295,12 +294,7 @@ impl Flow {
         self.tell(false);
         let message = stop.message(self);
         if stop.upstream_fault() {
-            self.gov
-                .metrics
-                .upstream_errors
-                .get_or_create(&label("kind", stop.code()))
-                .inc();
-            self.gov.note_upstream_error();
+            self.gov.upstream_failed(stop.code());
             tracing::warn!(
                 kind = stop.code(),
                 "upstream failed mid-response: {message}"
