@@ -74,8 +74,8 @@ pub struct AdmissionQueue<T> {
     max_tokens: u64,
     queued_tokens: u64,
     /// Tokens served per unit of weight, by tenant.
-    vtime: HashMap<String, f64>,
-    weights: HashMap<String, f64>,
+    vtime: foldhash::HashMap<String, f64>,
+    weights: foldhash::HashMap<String, f64>,
     next_id: u64,
 }
 
@@ -86,8 +86,8 @@ impl<T> AdmissionQueue<T> {
             max_len,
             max_tokens,
             queued_tokens: 0,
-            vtime: HashMap::new(),
-            weights,
+            vtime: foldhash::HashMap::default(),
+            weights: weights.into_iter().collect(),
             next_id: 1,
         }
     }
@@ -211,7 +211,7 @@ impl<T> AdmissionQueue<T> {
 
     /// New fair-queueing weights (hot reload); virtual times stay.
     pub fn set_weights(&mut self, weights: HashMap<String, f64>) {
-        self.weights = weights;
+        self.weights = weights.into_iter().collect();
     }
 
     /// Removes and returns the entries whose deadline has passed.
