@@ -12,6 +12,7 @@
 mod flow;
 mod headers;
 mod serve;
+mod timer;
 
 use crate::admission::{Ask, Governor, Permit};
 use crate::client::{Answer, UpstreamClient};

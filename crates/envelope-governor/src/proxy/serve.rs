@@ -11,11 +11,12 @@
 //! (callgrind, one machine), for a choice a method and a path comparison
 //! make.
 
+use super::timer::ReusingTimer;
 use super::{app, governed, AppState};
 use crate::request::Endpoint;
 use axum::extract::{ConnectInfo, State};
 use axum::http::Method;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use std::sync::Arc;
 use std::time::Duration;
 use tower::ServiceExt;
@@ -72,7 +73,7 @@ async fn serve_routes(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
-        .timer(TokioTimer::new())
+        .timer(ReusingTimer::default())
         .header_read_timeout(header_timeout);
     tokio::pin!(shutdown);
     loop {
