@@ -56,9 +56,9 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             Prompts::Messages(_) => {
-                let mut carried = text_bytes(&req.body["messages"]);
+                let mut carried = text_bytes(&req.body()["messages"]);
                 for f in ["tools", "functions", "tool_choice"] {
-                    if let Some(v) = req.body.get(f).filter(|v| !v.is_null() && !v.is_string()) {
+                    if let Some(v) = req.body().get(f).filter(|v| !v.is_null() && !v.is_string()) {
                         carried += text_bytes(v);
                     }
                 }

@@ -435,7 +435,7 @@ pub(crate) async fn read_request(
         }
     }
     let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
-    let parsed = request::parse(endpoint, &bytes)?;
+    let parsed = request::parse_bytes(endpoint, bytes.clone())?;
     let deadline_ms = match parts.headers.get(DEADLINE_NAME) {
         None => settings.class_deadline_ms(class),
         Some(v) => v
@@ -603,8 +603,8 @@ pub(crate) async fn place(
     }))
 }
 
-/// Sends a placed request upstream (`bytes` and `parsed` are the body to
-/// forward before the output limit is applied) and returns the answer's
+/// Sends a placed request upstream (`parsed` is the request to forward
+/// before the output limit is applied) and returns the answer's
 /// head, within the upstream timeout and the request's lifetime.
 ///
 /// # Errors
@@ -614,11 +614,10 @@ pub(crate) async fn send(
     s: &AppState,
     settings: &Settings,
     inc: &Incoming,
-    bytes: &Bytes,
     parsed: &ParsedRequest,
     placed: &Placed,
 ) -> Result<Answer, GovernError> {
-    let body = parsed.body_with_max_tokens(bytes, placed.plan.max_tokens);
+    let body = parsed.body_with_max_tokens(placed.plan.max_tokens);
     let mut headers = forward_headers(&inc.parts.headers);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
@@ -668,7 +667,7 @@ async fn handle(
         .expect("a request allowed to wait is placed or refused");
     let sent_at = Instant::now();
     // On an error the permit drops with this scope: the reservation is released.
-    let resp = match send(s, settings, &inc, &inc.bytes, &inc.parsed, &placed).await {
+    let resp = match send(s, settings, &inc, &inc.parsed, &placed).await {
         Ok(r) => r,
         Err(e) => {
             // Never reached: budgets get everything back (a timeout keeps it).

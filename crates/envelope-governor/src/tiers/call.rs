@@ -172,9 +172,9 @@ impl Router {
         mut placed: Placed,
     ) -> Result<Whole, GovernError> {
         let settings = up.app.gov.settings();
-        let (bytes, parsed) = up.body_for(&call.inc.parsed, &call.inc.bytes);
+        let parsed = up.body_for(&call.inc.parsed);
         let sent_at = Instant::now();
-        let resp = proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await;
+        let resp = proxy::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
         let resp = match resp {
             Ok(r) => r,
             Err(e) => {
@@ -348,7 +348,7 @@ async fn serve_call(
     let hint = named(h, HINT_HEADER)?;
     // One tenant's conversation never moves another's routing.
     let conversation = named(h, CONVERSATION_HEADER)?.map(|c| format!("{}\u{0}{c}", who.tenant));
-    let mut signals = body_signals(&inc.parsed.body);
+    let mut signals = body_signals(inc.parsed.body());
     // For routing only (each tier counts again to admit): when the
     // cheapest tier cannot count, the bound estimate routes.
     let counts = match proxy::count(&base, &settings, &inc.parsed).await {
@@ -370,7 +370,7 @@ async fn serve_call(
             ("reason", &route.reason),
         ]))
         .inc();
-    let expect = Expect::of(&inc.parsed.body, truthy(h, NO_TRUNCATION_HEADER));
+    let expect = Expect::of(inc.parsed.body(), truthy(h, NO_TRUNCATION_HEADER));
     let buffered = !inc.parsed.stream || live.file.escalation.streams == StreamMode::Buffer;
     let marked = truthy(h, CACHEABLE_HEADER);
     let call = Call {
@@ -390,7 +390,7 @@ async fn serve_call(
     // The cache first: a hit takes no room on any upstream.
     let cache = r
         .cache()
-        .filter(|_| call.buffered && cacheable(&call.inc.parsed.body, marked));
+        .filter(|_| call.buffered && cacheable(call.inc.parsed.body(), marked));
     let key = cache.as_ref().map(|_| Key {
         tenant: call.who.tenant.clone(),
         tier: live.tiers[start].name.clone(),
@@ -647,8 +647,8 @@ async fn stream_through(
     let mut escalated = false;
     let resp = loop {
         let settings = up.app.gov.settings();
-        let (bytes, parsed) = up.body_for(&call.inc.parsed, &call.inc.bytes);
-        let sent = proxy::send(&up.app, &settings, &call.inc, &bytes, &parsed, &placed).await;
+        let parsed = up.body_for(&call.inc.parsed);
+        let sent = proxy::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
         // Nothing has gone to the client yet: an upstream that failed
         // (unreachable, or a 5xx head) may still be retried a tier up.
         let may = !escalated

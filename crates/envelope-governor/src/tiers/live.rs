@@ -10,7 +10,6 @@ use super::metrics::{labels, TierMetrics};
 use crate::config::GovernArgs;
 use crate::request::ParsedRequest;
 use crate::AppState;
-use bytes::Bytes;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
@@ -45,22 +44,19 @@ pub struct Upstream {
 
 impl Upstream {
     /// The body this upstream is sent: its `model` when the tier names one.
-    pub fn body_for(&self, parsed: &ParsedRequest, bytes: &Bytes) -> (Bytes, ParsedRequest) {
-        let Some(model) = &self.spec.model else {
-            return (bytes.clone(), parsed.clone());
-        };
+    pub fn body_for(&self, parsed: &ParsedRequest) -> ParsedRequest {
         let mut p = parsed.clone();
-        p.body
-            .insert("model".into(), serde_json::Value::String(model.clone()));
-        let b = Bytes::from(serde_json::to_vec(&p.body).unwrap_or_default());
-        (b, p)
+        if let Some(model) = &self.spec.model {
+            p.set_field("model", serde_json::Value::String(model.clone()));
+        }
+        p
     }
 
     /// The model this upstream is asked for.
     pub fn model_for(&self, parsed: &ParsedRequest) -> String {
         self.spec.model.clone().unwrap_or_else(|| {
             parsed
-                .body
+                .body()
                 .get("model")
                 .and_then(|m| m.as_str())
                 .unwrap_or("")

@@ -71,8 +71,8 @@ async fn shadow(
             Ok(Some(p)) => p,
             _ => continue,
         };
-        let (bytes, parsed) = up.body_for(&inc.parsed, &inc.bytes);
-        let resp = proxy::send(&up.app, &settings, inc, &bytes, &parsed, &placed)
+        let parsed = up.body_for(&inc.parsed);
+        let resp = proxy::send(&up.app, &settings, inc, &parsed, &placed)
             .await
             .ok()?;
         let sse = resp
