@@ -57,6 +57,8 @@ pub struct AppState {
     /// governor's instructions, the Host header 3%), or why the base does
     /// not parse, which every send then reports.
     endpoint_uris: Result<([Uri; 2], HeaderValue), String>,
+    /// Timers for the wait on an upstream's head, reused.
+    head_timers: timer::ReusingTimer,
 }
 
 impl AppState {
@@ -80,6 +82,7 @@ impl AppState {
             counter,
             reload: None,
             budget_store: Arc::new(crate::budget::Store::local()),
+            head_timers: timer::ReusingTimer::default(),
         }
     }
 }
@@ -620,8 +623,9 @@ pub(crate) async fn send(
     let body = parsed.body_with_max_tokens(placed.plan.max_tokens);
     let mut headers = forward_headers(&inc.parts.headers);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let now = Instant::now();
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
-        .min(inc.end.saturating_duration_since(Instant::now()));
+        .min(inc.end.saturating_duration_since(now));
     s.gov.note_added_latency(inc.arrived.elapsed());
     if let Some(h) = &placed.permit.budget {
         h.mark_sent();
@@ -638,17 +642,17 @@ pub(crate) async fn send(
     tokio::select! {
         // In order: no random pick a request.
         biased;
-        r = tokio::time::timeout(timeout, send) => match r {
-            Ok(Ok(r)) => Ok(r),
+        r = send => match r {
+            Ok(r) => Ok(r),
             // Any failure before the head (a connect timeout included) is
             // an unreachable upstream (502), not a slow one.
-            Ok(Err(e)) => Err(upstream_error(s, e, false)),
-            Err(_) => Err(upstream_error(
-                s,
-                format!("{uri}: no response headers in {} ms", timeout.as_millis()),
-                true,
-            )),
+            Err(e) => Err(upstream_error(s, e, false)),
         },
+        () = s.head_timers.sleep_until(now + timeout) => Err(upstream_error(
+            s,
+            format!("{uri}: no response headers in {} ms", timeout.as_millis()),
+            true,
+        )),
         _ = cut.wait_for(|c| *c) => Err(GovernError::Draining),
     }
 }
