@@ -301,10 +301,39 @@ async fn governed(State(s): State<Arc<AppState>>, endpoint: Endpoint, req: Reque
     r
 }
 
-async fn read_body(body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, GovernError> {
-    match tokio::time::timeout(
+async fn read_body(mut body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, GovernError> {
+    use futures::FutureExt;
+    use http_body_util::BodyExt;
+    // A small body has usually come with the head: one frame at hand, the
+    // whole body, taken without a timer, a buffer list or a copy
+    // (collecting it was 2% of a request's instructions).
+    let mut first = None;
+    if let Some(frame) = body.frame().now_or_never() {
+        match frame {
+            None => return Ok(Bytes::new()),
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    if data.len() > limit {
+                        return Err(GovernError::BodyTooLarge { limit_bytes: limit });
+                    }
+                    if http_body::Body::is_end_stream(&body) {
+                        return Ok(data);
+                    }
+                    first = Some(data);
+                }
+            }
+            Some(Err(e)) => {
+                return Err(GovernError::invalid(
+                    None,
+                    format!("reading the request body failed: {e}"),
+                ))
+            }
+        }
+    }
+    let taken = first.as_ref().map_or(0, Bytes::len);
+    let rest = match tokio::time::timeout(
         Duration::from_millis(timeout_ms),
-        axum::body::to_bytes(body, limit),
+        axum::body::to_bytes(body, limit - taken),
     )
     .await
     {
@@ -324,7 +353,11 @@ async fn read_body(body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, G
                 format!("reading the request body failed: {e}"),
             ))
         }
-    }
+    }?;
+    Ok(match first {
+        None => rest,
+        Some(first) => [first, rest].concat().into(),
+    })
 }
 
 /// Prompt tokens per group, within the count timeout and the cap on
@@ -698,6 +731,32 @@ async fn handle(
 mod tests {
     use super::flow::find_number;
     use super::*;
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_in_one_frame_or_several() {
+        let read = |b: Body, limit| read_body(b, limit, 1_000);
+        // One frame at hand: the body itself.
+        assert_eq!(read(Body::from("abc"), 8).await.unwrap(), "abc");
+        assert_eq!(read(Body::empty(), 8).await.unwrap(), "");
+        // Several frames: the first one at hand, then the rest, in order.
+        let chunks = |c: Vec<&'static str>| {
+            Body::from_stream(futures::stream::iter(
+                c.into_iter()
+                    .map(|x| Ok::<_, std::io::Error>(Bytes::from(x))),
+            ))
+        };
+        assert_eq!(
+            read(chunks(vec!["ab", "cd", "e"]), 8).await.unwrap(),
+            "abcde"
+        );
+        // Over the limit, in the first frame or across frames.
+        for (body, limit) in [(Body::from("abcdef"), 5), (chunks(vec!["abc", "def"]), 5)] {
+            match read(body, limit).await {
+                Err(GovernError::BodyTooLarge { limit_bytes }) => assert_eq!(limit_bytes, 5),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn usage_numbers_are_found_in_the_tail() {
