@@ -9,8 +9,10 @@
 # governor's own work is measured, not its admission decisions. Prints a
 # Markdown table: latency p50/p99 added to the direct path (one connection,
 # one request at a time) and requests/s at CONNECTIONS connections, each
-# against nginx's. Not a timed test: figures vary with what else the
-# machine does; compare the columns of one run.
+# against nginx's; then a second latency table measured interleaved (the
+# paths in turn request by request, scripts/paired-latency.py). Not a timed
+# test: figures vary with what else the machine does; compare the columns
+# of one run.
 #
 #   scripts/govern-vs-nginx.sh [SECONDS] [CONNECTIONS]
 #
@@ -136,6 +138,14 @@ for _ in $(seq 1 "$rounds"); do
   for k in 0 1 2 3; do lat "${ports[$k]}" >>"$work/lat-${paths[$k]}"; done
   for k in 0 1 2 3; do tput "${ports[$k]}" >>"$work/tput-${paths[$k]}"; done
 done
+# Latency again, interleaved: one connection per path, the four paths taken
+# in turn request by request, so every path meets the same spells of a
+# noisy machine (runs of a few seconds each, one path after another, put
+# the added p50 of one path anywhere from 0.8x to 3.7x the other's here).
+python3 scripts/paired-latency.py "$((secs * rounds))" /v1/completions \
+  '{"model":"fixed","prompt":"Say hello to the world in a few words.","max_tokens":16}' \
+  "direct=127.0.0.1:$UP" "nginx=127.0.0.1:$PX" "tokenizer=127.0.0.1:$G1" "defaults=127.0.0.1:$G2" \
+  > "$work/paired"
 src1=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G1/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G2/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 
@@ -172,6 +182,20 @@ for name, p50, p99, rps, err in [
     r50 = add(p50, d50) / nadd50 if nadd50 > 0 else float("inf")
     r99 = add(p99, d99) / nadd99 if nadd99 > 0 else float("inf")
     print(f"| {name} | {add(p50, d50):.3f} | {add(p99, d99):.3f} | {rps:,.0f} | {r50:.2f} / {r99:.2f} / {rps / nrps:.2f} | {err} |")
+print()
+paired = {l.split()[0]: [float(x) for x in l.split()[1:]] for l in open(f"{work}/paired") if l.strip()}
+pd50, pd99 = paired["direct"][:2]
+pn50, pn99 = add(paired["nginx"][0], pd50), add(paired["nginx"][1], pd99)
+print(f"interleaved (one connection per path, the paths in turn request by request; {int(paired['direct'][2]):,} requests a path; the client's own time is in every path and cancels out): direct p50 {pd50 / 1000:.3f} ms, p99 {pd99 / 1000:.3f} ms")
+print()
+print("| path | added p50 (ms) | added p99 (ms) | x nginx: p50 / p99 | errors |")
+print("|---|---|---|---|---|")
+for key, name in [("nginx", "nginx proxy_pass"), ("tokenizer", "envelope govern --tokenizer model.gguf"), ("defaults", "envelope govern, defaults")]:
+    p50, p99, n, err = paired[key]
+    a50, a99 = add(p50, pd50), add(p99, pd99)
+    r50 = a50 / pn50 if pn50 > 0 else float("inf")
+    r99 = a99 / pn99 if pn99 > 0 else float("inf")
+    print(f"| {name} | {a50 / 1000:.3f} | {a99 / 1000:.3f} | {r50:.2f} / {r99:.2f} | {int(err)} |")
 print()
 print("targets (issue #16): added p50 and p99 at most 1.5x nginx's, req/s at least 0.8x nginx's")
 EOF
