@@ -20,7 +20,7 @@ use crate::admission::{Governor, Permit};
 use crate::client::Answer;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
-use axum::http::HeaderName;
+use axum::http::{HeaderMap, HeaderName};
 use axum::response::Response;
 use http_body::Frame;
 use std::future::Future;
@@ -390,6 +390,27 @@ pub(super) fn stream_back(
     stream_back_with(s, resp, permit, sent_at, end, extra, None)
 }
 
+/// Takes the hop-by-hop headers out of an answer's, `content-length` too
+/// for a stream. Found first (a map cannot lose entries while it is
+/// walked), a few at a time on the stack: an answer has one or two.
+fn drop_hop_by_hop(headers: &mut HeaderMap, sse: bool) {
+    loop {
+        let mut hop: [Option<HeaderName>; 4] = Default::default();
+        let found = headers
+            .keys()
+            .filter(|k| super::HOP_BY_HOP.contains(&k.as_str()) && (sse || *k != CONTENT_LENGTH))
+            .zip(hop.iter_mut())
+            .map(|(k, slot)| *slot = Some(k.clone()))
+            .count();
+        for k in hop.into_iter().flatten() {
+            headers.remove(k);
+        }
+        if found < 4 {
+            return;
+        }
+    }
+}
+
 /// [`stream_back`], telling `on_end` how the stream ended.
 pub(crate) fn stream_back_with(
     s: &AppState,
@@ -410,14 +431,7 @@ pub(crate) fn stream_back_with(
     // upstream's length (the relay never changes its bytes; one cut short
     // then reads as broken, not whole). A stream does not: a cut one ends
     // with an error event of its own.
-    let hop: Vec<HeaderName> = headers
-        .keys()
-        .filter(|k| super::HOP_BY_HOP.contains(&k.as_str()) && (sse || *k != CONTENT_LENGTH))
-        .cloned()
-        .collect();
-    for k in hop {
-        headers.remove(k);
-    }
+    drop_hop_by_hop(&mut headers, sse);
     // Room for the extras and the tenant and class headers added after,
     // made once (growing the map as they come rehashed it).
     headers.reserve(extra.len() + 2);
@@ -451,4 +465,32 @@ pub(crate) fn stream_back_with(
     *r.status_mut() = status;
     *r.headers_mut() = headers;
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_hop_by_hop_header_leaves_an_answer() {
+        let mut h = HeaderMap::new();
+        for name in super::super::HOP_BY_HOP {
+            h.insert(*name, axum::http::HeaderValue::from_static("x"));
+        }
+        h.insert("content-type", axum::http::HeaderValue::from_static("a/b"));
+        let whole = {
+            let mut h = h.clone();
+            drop_hop_by_hop(&mut h, false);
+            h
+        };
+        // More than one round of four: all gone but the body's length.
+        let mut left: Vec<&str> = whole.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["content-length", "content-type"]);
+        drop_hop_by_hop(&mut h, true);
+        assert_eq!(
+            h.keys().map(HeaderName::as_str).collect::<Vec<_>>(),
+            ["content-type"]
+        );
+    }
 }
