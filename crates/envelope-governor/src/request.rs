@@ -290,8 +290,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, GovernErr
 pub fn parse_bytes(endpoint: Endpoint, body: bytes::Bytes) -> Result<ParsedRequest, GovernError> {
     let text = std::str::from_utf8(&body)
         .map_err(|e| GovernError::invalid(None, format!("the request body is not UTF-8: {e}")))?;
-    // A struct also reads from a JSON list (by position): only an object
-    // is a request.
+    // Only an object is a request; anything else valid is named as such.
     if !text.trim_start().starts_with('{') {
         serde_json::from_str::<serde::de::IgnoredAny>(text).map_err(|e| {
             GovernError::invalid(None, format!("the request body is not valid JSON: {e}"))
