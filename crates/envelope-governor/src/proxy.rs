@@ -404,11 +404,10 @@ pub(crate) async fn count(
     Ok((counts, source))
 }
 
-/// A governed request as read: its headers, bytes, parsed body, deadline
-/// and the end of its lifetime.
+/// A governed request as read: its headers, parsed body (which keeps the
+/// body's bytes), deadline and the end of its lifetime.
 pub(crate) struct Incoming {
     pub parts: axum::http::request::Parts,
-    pub bytes: Bytes,
     pub parsed: ParsedRequest,
     pub arrived: Instant,
     /// When the request must be answered (arrival + its deadline).
@@ -428,7 +427,6 @@ impl Incoming {
         let (parts, ()) = req.into_parts();
         Incoming {
             parts,
-            bytes: self.bytes.clone(),
             parsed: self.parsed.clone(),
             arrived: self.arrived,
             deadline: self.deadline,
@@ -471,7 +469,7 @@ pub(crate) async fn read_request(
         }
     }
     let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
-    let parsed = request::parse_bytes(endpoint, bytes.clone())?;
+    let parsed = request::parse_bytes(endpoint, bytes)?;
     let deadline_ms = match parts.headers.get(DEADLINE_NAME) {
         None => settings.class_deadline_ms(class),
         Some(v) => v
@@ -490,7 +488,6 @@ pub(crate) async fn read_request(
     let end = arrived + Duration::from_millis(settings.max_request_ms);
     Ok(Incoming {
         parts,
-        bytes,
         parsed,
         arrived,
         deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),

@@ -408,7 +408,7 @@ async fn serve_call(
                 .join(","),
             call.expect.no_truncation
         ),
-        request: call.inc.bytes.clone(),
+        request: call.inc.parsed.raw().clone(),
     });
     if let (Some(c), Some(k)) = (&cache, &key) {
         if let Some(hit) = c.get(k) {
