@@ -58,7 +58,24 @@ impl<'de> serde::Deserialize<'de> for Key {
                 f.write_str("a field name")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Key, E> {
-                Ok(Key(READ_FIELDS.iter().position(|f| *f == v)))
+                // A match, not a search of the list: compiled to a switch
+                // on the length, then one comparison.
+                Ok(Key(match v {
+                    "prompt" => Some(0),
+                    "messages" => Some(1),
+                    "tools" => Some(2),
+                    "functions" => Some(3),
+                    "tool_choice" => Some(4),
+                    "max_tokens" => Some(5),
+                    "max_completion_tokens" => Some(6),
+                    "n_predict" => Some(7),
+                    "max_new_tokens" => Some(8),
+                    "min_tokens" => Some(9),
+                    "n" => Some(10),
+                    "best_of" => Some(11),
+                    "stream" => Some(12),
+                    _ => None,
+                }))
             }
         }
         d.deserialize_identifier(V)
@@ -182,5 +199,22 @@ impl Fields {
             self.functions.as_ref(),
             self.tool_choice.as_ref(),
         ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_read_name_finds_its_own_slot() {
+        for (i, name) in READ_FIELDS.iter().enumerate() {
+            let Key(k) = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+            assert_eq!(k, Some(i), "{name}");
+        }
+        for other in ["model", "Prompt", "max_token", ""] {
+            let Key(k) = serde_json::from_str(&format!("\"{other}\"")).unwrap();
+            assert_eq!(k, None, "{other}");
+        }
     }
 }
