@@ -74,7 +74,15 @@ async fn serve_routes(
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(ReusingTimer::default())
-        .header_read_timeout(header_timeout);
+        .header_read_timeout(header_timeout)
+        // An answer's head and body in one buffer, one write: hyper's
+        // queue of slices for a vectored write cost about 400 more
+        // instructions a request here than copying a small body (answers
+        // are small; a stream's chunks are copied as they come). The
+        // upstream side keeps vectored writes: flattened there, the pool
+        // handed out a connection still stuck sending a large body
+        // (client::tests::a_connection_stuck_sending_is_not_waited_on).
+        .writev(false);
     tokio::pin!(shutdown);
     loop {
         let slot = tokio::select! {
