@@ -30,7 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
-pub(crate) use headers::{forward_headers, named, placed_headers, Extra, HOP_BY_HOP};
+pub(crate) use headers::{forward_headers, named, placed_headers, tenant_value, Extra, HOP_BY_HOP};
 use headers::{CLASS, TENANT_HEADER};
 pub use serve::serve;
 pub(crate) use serve::serve_router;
@@ -219,7 +219,7 @@ async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
     let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
     let send = s.client.send(method, &url, headers, body);
     match tokio::time::timeout(timeout, send).await {
-        Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, Vec::new()),
+        Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, []),
         Ok(Err(e)) => upstream_error(&s, e, false).into_response(),
         Err(_) => upstream_error(
             &s,
@@ -241,7 +241,7 @@ pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
         permit,
         Some(now),
         now + Duration::from_millis(s.gov.settings().max_request_ms),
-        Vec::new(),
+        [],
     )
 }
 
@@ -294,7 +294,7 @@ async fn governed(State(s): State<Arc<AppState>>, endpoint: Endpoint, req: Reque
     };
     // Every answer says whom it was charged to.
     let h = r.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&who.tenant) {
+    if let Some(v) = tenant_value(&who.tenant) {
         h.insert(TENANT_HEADER, v);
     }
     h.insert(CLASS, HeaderValue::from_static(who.class.label()));

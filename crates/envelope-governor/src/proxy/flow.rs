@@ -20,7 +20,7 @@ use crate::admission::{Governor, Permit};
 use crate::client::Answer;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderName};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
 use http_body::Frame;
 use std::future::Future;
@@ -62,7 +62,7 @@ struct Flow {
     /// Resolves at the drain's cut; made when the relay first waits.
     cut_wait: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     /// The last bytes seen, for the `usage` object at the end.
-    tail: Vec<u8>,
+    tail: Tail,
     events: u64,
     done: bool,
     /// Told how the stream ended, once.
@@ -94,6 +94,55 @@ pub(super) fn find_number(hay: &str, key: &str) -> Option<u64> {
     let rest = hay[i + key.len()..].trim_start_matches([' ', ':', '"']);
     let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
     digits.parse().ok()
+}
+
+/// The last [`TAIL_BYTES`] of a body, or more. A body that comes in one
+/// chunk (most whole answers) is kept as that chunk, not copied.
+enum Tail {
+    Empty,
+    One(Bytes),
+    Joined(Vec<u8>),
+}
+
+impl Tail {
+    fn push(&mut self, b: &Bytes) {
+        let before = match std::mem::replace(self, Tail::Empty) {
+            // The last chunk alone is enough.
+            _ if b.len() >= TAIL_BYTES => None,
+            Tail::Empty => None,
+            Tail::One(prev) => Some(prev.to_vec()),
+            Tail::Joined(v) => Some(v),
+        };
+        *self = match before {
+            // Kept as it is, unless its end would hold a large body alive.
+            None if b.len() <= 4 * TAIL_BYTES => Tail::One(b.clone()),
+            None => Tail::Joined(b[b.len() - TAIL_BYTES..].to_vec()),
+            Some(mut v) => {
+                v.extend_from_slice(b);
+                if v.len() > TAIL_BYTES {
+                    v.drain(..v.len() - TAIL_BYTES);
+                }
+                Tail::Joined(v)
+            }
+        };
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Tail::Empty => &[],
+            Tail::One(b) => b,
+            Tail::Joined(v) => v,
+        }
+    }
+
+    /// The `usage` numbers at the end: prompt and completion tokens.
+    fn usage(&self) -> (Option<u64>, Option<u64>) {
+        let text = String::from_utf8_lossy(self.bytes());
+        (
+            find_number(&text, "\"prompt_tokens\""),
+            find_number(&text, "\"completion_tokens\""),
+        )
+    }
 }
 
 /// Why a stream ended early.
@@ -160,10 +209,10 @@ impl Flow {
 
     fn tell(&mut self, whole: bool) {
         if let Some(f) = self.on_end.take() {
-            let tail = String::from_utf8_lossy(&self.tail);
+            let (prompt_tokens, completion_tokens) = self.tail.usage();
             f(StreamEnd {
-                prompt_tokens: find_number(&tail, "\"prompt_tokens\""),
-                completion_tokens: find_number(&tail, "\"completion_tokens\""),
+                prompt_tokens,
+                completion_tokens,
                 events: self.events,
                 whole,
             });
@@ -184,9 +233,7 @@ impl Flow {
             return;
         }
         let r = hold.reserved();
-        let tail = String::from_utf8_lossy(&self.tail);
-        let prompt = find_number(&tail, "\"prompt_tokens\"");
-        let completion = find_number(&tail, "\"completion_tokens\"");
+        let (prompt, completion) = self.tail.usage();
         let output_tokens = match completion {
             Some(c) => c,
             // Less the closing `[DONE]` of a whole stream.
@@ -211,11 +258,7 @@ impl Flow {
             }
         }
         if let Some(mut p) = self.permit.take() {
-            let tail = String::from_utf8_lossy(&self.tail);
-            let used = match (
-                find_number(&tail, "\"prompt_tokens\""),
-                find_number(&tail, "\"completion_tokens\""),
-            ) {
+            let used = match self.tail.usage() {
                 (Some(a), Some(b)) => Some(a + b),
                 // No usage in a stream: one data event is about one token.
                 _ if self.sse => Some(self.events.saturating_sub(1)),
@@ -244,11 +287,7 @@ impl Flow {
             self.events += b.windows(5).filter(|w| w == b"data:").count() as u64;
         }
         self.last_chunk = Some(now);
-        self.tail.extend_from_slice(b);
-        if self.tail.len() > TAIL_BYTES {
-            let cut = self.tail.len() - TAIL_BYTES;
-            self.tail.drain(..cut);
-        }
+        self.tail.push(b);
     }
 
     /// Waits on the drain's cut and the two deadlines while the upstream
@@ -385,7 +424,7 @@ pub(super) fn stream_back(
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
-    extra: super::Extra,
+    extra: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
 ) -> Response {
     stream_back_with(s, resp, permit, sent_at, end, extra, None)
 }
@@ -418,7 +457,7 @@ pub(crate) fn stream_back_with(
     permit: Option<Permit>,
     sent_at: Option<Instant>,
     end: Instant,
-    extra: super::Extra,
+    extra: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
     on_end: Option<OnEnd>,
 ) -> Response {
     let (status, mut headers, body) = resp.into_parts();
@@ -434,7 +473,8 @@ pub(crate) fn stream_back_with(
     drop_hop_by_hop(&mut headers, sse);
     // Room for the extras and the tenant and class headers added after,
     // made once (growing the map as they come rehashed it).
-    headers.reserve(extra.len() + 2);
+    let extra = extra.into_iter();
+    headers.reserve(extra.size_hint().0.max(super::headers::ADDED));
     for (k, v) in extra {
         headers.insert(k, v);
     }
@@ -456,7 +496,7 @@ pub(crate) fn stream_back_with(
         timer: None,
         cut: s.gov.cut_signal(),
         cut_wait: None,
-        tail: Vec::new(),
+        tail: Tail::Empty,
         events: 0,
         done: false,
         on_end,
@@ -470,6 +510,32 @@ pub(crate) fn stream_back_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_tail_keeps_the_last_bytes_however_they_came() {
+        let body = format!(
+            "{}\"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":34}}}}",
+            "x".repeat(5 * TAIL_BYTES)
+        );
+        for size in [
+            1,
+            7,
+            100,
+            TAIL_BYTES - 1,
+            TAIL_BYTES,
+            body.len(),
+            5 * TAIL_BYTES,
+        ] {
+            let mut t = Tail::Empty;
+            for piece in body.as_bytes().chunks(size) {
+                t.push(&Bytes::copy_from_slice(piece));
+            }
+            let kept = t.bytes();
+            assert!(kept.len() >= TAIL_BYTES.min(body.len()), "{size}");
+            assert!(body.as_bytes().ends_with(kept), "{size}");
+            assert_eq!(t.usage(), (Some(12), Some(34)), "{size}");
+        }
+    }
 
     #[test]
     fn every_hop_by_hop_header_leaves_an_answer() {

@@ -236,7 +236,7 @@ impl Router {
             placed.permit.record_latency(None, None, Some(ms));
         }
         let cost = self.book_attempt(live, tier, &call.tag, &up.price, usage);
-        let placed_headers = proxy::placed_headers(&placed);
+        let placed_headers = proxy::placed_headers(&placed).collect();
         drop(placed);
         Ok(Whole {
             tier,
@@ -326,7 +326,7 @@ pub(super) async fn governed(
         Ok(resp) => resp,
         Err(e) => refuse(&r, e),
     };
-    if let Ok(v) = HeaderValue::from_str(&who.tenant) {
+    if let Some(v) = proxy::tenant_value(&who.tenant) {
         resp.headers_mut().insert("x-envelope-tenant", v);
     }
     resp
@@ -699,7 +699,7 @@ async fn stream_through(
         }
     };
     let status = resp.status();
-    let mut placed_headers = proxy::placed_headers(&placed);
+    let mut placed_headers: proxy::Extra = proxy::placed_headers(&placed).collect();
     let mut extra: Vec<(&'static str, String)> = vec![
         ("x-envelope-tier", live.tiers[tier].name.clone()),
         ("x-envelope-route-reason", story.reason.clone()),
