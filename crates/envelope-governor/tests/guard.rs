@@ -188,6 +188,49 @@ async fn a_tenant_at_its_ceiling_does_not_block_another() {
     assert!(g.fake.max_seqs_in_flight.load(Ordering::SeqCst) <= 3);
 }
 
+/// A whole answer of known length (the fake's JSON has a Content-Length,
+/// as vLLM's, TGI's and llama.cpp's do) is settled when its last byte goes
+/// out: its time reaches the latency guard and its `usage` is booked.
+/// hyper ends such an answer on its last byte and drops the body without
+/// asking for more, so a relay that settled only at the body's end never
+/// did (the guard saw no sample from a non-streaming answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_whole_answer_reaches_the_latency_guard_and_is_settled() {
+    let g = start(limits(1000, 10, 4, 4000), |s| {
+        // An e2e SLO far above these answers' time: the guard watches.
+        s.latency.e2e_slo_ms = Some(60_000.0);
+    })
+    .await;
+    for _ in 0..3 {
+        let r = g
+            .post(
+                "/v1/completions",
+                json!({"prompt": "abcdefg", "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        assert!(r.headers().get("content-length").is_some());
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+    }
+    let s = g
+        .wait_state(|s| s["latency_guard"]["observed"]["samples"].as_u64() >= Some(3))
+        .await;
+    assert_eq!(s["latency_guard"]["observed"]["samples"], 3, "{s}");
+    assert!(
+        s["latency_guard"]["observed"]["e2e_p95_ms"].is_number(),
+        "{s}"
+    );
+    // Each answer's usage: its prompt as the fake counts it (7 bytes) and
+    // the 2 tokens it generated.
+    let m = g.metrics().await;
+    assert_eq!(
+        sample(&m, "envelope_governor_used_tokens_settled_total"),
+        Some(3.0 * (7.0 + 2.0)),
+        "{m}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn estimate_is_labelled_in_headers_and_metrics() {
     let (fake, upstream) = fake_upstream().await;

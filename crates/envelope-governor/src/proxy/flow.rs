@@ -388,6 +388,13 @@ impl HttpBody for Flow {
                         f.observe_chunk(&b, now);
                         f.yielded_at = Some(now);
                         f.silent_at = Deadline::from_std(now) + f.idle;
+                        // The last bytes of a body of known length: hyper
+                        // ends the answer on them and drops the body
+                        // without asking again, so it is settled now.
+                        if f.inner.is_end_stream() {
+                            f.done = true;
+                            f.settle();
+                        }
                         return Poll::Ready(Some(Ok(Frame::data(b))));
                     }
                     // Trailers are not relayed.
@@ -406,6 +413,11 @@ impl HttpBody for Flow {
             };
         };
         Poll::Ready(Some(f.stop(stop)))
+    }
+
+    /// Whole, settled, or cut (a stream's error event is its last frame).
+    fn is_end_stream(&self) -> bool {
+        self.done
     }
 }
 
