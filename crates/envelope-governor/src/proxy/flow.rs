@@ -89,11 +89,26 @@ const TAIL_BYTES: usize = 4096;
 /// reading slowly (a fast one asks within microseconds).
 const SLOW_READER_GAP: Duration = Duration::from_millis(50);
 
-pub(super) fn find_number(hay: &str, key: &str) -> Option<u64> {
-    let i = hay.rfind(key)?;
-    let rest = hay[i + key.len()..].trim_start_matches([' ', ':', '"']);
-    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-    digits.parse().ok()
+type Key = std::sync::LazyLock<memchr::memmem::FinderRev<'static>>;
+
+/// The `usage` keys of an answer's tail, searched for from its end.
+pub(super) static PROMPT_TOKENS: Key =
+    Key::new(|| memchr::memmem::FinderRev::new(b"\"prompt_tokens\""));
+pub(super) static COMPLETION_TOKENS: Key =
+    Key::new(|| memchr::memmem::FinderRev::new(b"\"completion_tokens\""));
+
+/// The number after the last `key` in `hay` (spaces, colons and quotes
+/// between them skipped): bytes searched as they are, not made text.
+pub(super) fn find_number(hay: &[u8], key: &memchr::memmem::FinderRev<'_>) -> Option<u64> {
+    let i = key.rfind(hay)? + key.needle().len();
+    let rest = &hay[i..];
+    let start = rest.iter().position(|b| !matches!(b, b' ' | b':' | b'"'))?;
+    let rest = &rest[start..];
+    let len = rest
+        .iter()
+        .position(|b| !b.is_ascii_digit())
+        .unwrap_or(rest.len());
+    std::str::from_utf8(&rest[..len]).ok()?.parse().ok()
 }
 
 /// The last [`TAIL_BYTES`] of a body, or more. A body that comes in one
@@ -137,10 +152,10 @@ impl Tail {
 
     /// The `usage` numbers at the end: prompt and completion tokens.
     fn usage(&self) -> (Option<u64>, Option<u64>) {
-        let text = String::from_utf8_lossy(self.bytes());
+        let b = self.bytes();
         (
-            find_number(&text, "\"prompt_tokens\""),
-            find_number(&text, "\"completion_tokens\""),
+            find_number(b, &PROMPT_TOKENS),
+            find_number(b, &COMPLETION_TOKENS),
         )
     }
 }
