@@ -761,7 +761,7 @@ mod tests {
             br#"data: {"usage":{"prompt_tokens":12,"completion_tokens": 30,"total_tokens":42}}"#;
         assert_eq!(find_number(t, &PROMPT_TOKENS), Some(12));
         assert_eq!(find_number(t, &COMPLETION_TOKENS), Some(30));
-        let nope = memchr::memmem::FinderRev::new(b"\"nope\"");
+        let nope = memchr::memmem::Finder::new(b"\"nope\"");
         assert_eq!(find_number(t, &nope), None);
         // The last one counts (a stream's final usage); no digits, none;
         // bytes that are not UTF-8 around it do not matter.
