@@ -320,11 +320,16 @@ impl Governor {
         let (changed, wakes) = {
             let mut g = self.lock();
             let changed = g.latency.record(sample);
-            if changed.is_some() {
+            // Only a new share moves the caps: then the queue may admit
+            // more and the gauges change.
+            let w = if changed.is_some() {
                 self.apply_caps(&mut g);
-            }
-            let w = self.pump(&mut g);
-            self.publish(&g);
+                let w = self.pump(&mut g);
+                self.publish(&g);
+                w
+            } else {
+                Vec::new()
+            };
             (changed.map(|f| (f, g.latency.cause, g.latency.last)), w)
         };
         if let Some((f, cause, o)) = changed {
