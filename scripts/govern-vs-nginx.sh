@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The governor's overhead beside a plain reverse proxy, in one run: wrk
 # against a fixed-response upstream (nginx `return 200`) directly, through
-# nginx `proxy_pass` (keep-alive to the upstream), and through
-# `envelope govern` with its defaults (live guard on, latency guard on,
-# counting: the model's .gguf with --tokenizer, and the default `auto`,
-# which falls back to the local estimate because the upstream has no
-# /tokenize). The profile's caps are far above the load, so only the
-# governor's own work is measured, not its admission decisions. Prints a
-# Markdown table: latency p50/p99 added to the direct path (one connection,
-# one request at a time) and requests/s at CONNECTIONS connections, each
-# against nginx's; then a second latency table measured interleaved (the
-# paths in turn request by request, scripts/paired-latency.py). Not a timed
-# test: figures vary with what else the machine does; compare the columns
-# of one run.
+# nginx `proxy_pass` (keep-alive to the upstream), through a bare proxy on
+# the governor's own stack that does none of its work (the floor of any
+# proxy on hyper and one tokio thread: examples/bare_proxy.rs), and
+# through `envelope govern` with its defaults (live guard on, latency
+# guard on, counting: the model's .gguf with --tokenizer, and the default
+# `auto`, which falls back to the local estimate because the upstream has
+# no /tokenize). The profile's caps are far above the load, so only the
+# governor's own work is measured, not its admission decisions. Prints
+# Markdown tables: latency p50/p99 added to the direct path (one
+# connection, one request at a time) and requests/s at CONNECTIONS
+# connections, each against nginx's; requests/s as each round's ratio to
+# nginx's in that round, with each proxy's CPU time a request; then
+# latency measured interleaved (the paths in turn request by request,
+# scripts/paired-latency.py). Not a timed test: figures vary with what
+# else the machine does; compare the columns of one run.
 #
 #   scripts/govern-vs-nginx.sh [SECONDS] [CONNECTIONS]
 #
@@ -20,9 +23,9 @@
 # SmolLM2 GGUF (scripts/fetch-model.sh). ROUNDS (default 3) is how many
 # alternating rounds of every path the medians come from; ENVELOPE_BIN
 # names the binary to measure (default target/release/envelope, built
-# first); GOVERN_ENV adds
-# environment variables to both governors (for example
-# GOVERN_ENV=TOKIO_WORKER_THREADS=1).
+# first) and BARE_PROXY_BIN the bare proxy (default: the example, built
+# first); GOVERN_ENV adds environment variables to both governors (for
+# example GOVERN_ENV=TOKIO_WORKER_THREADS=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-10}"
@@ -37,6 +40,12 @@ else
   cargo build --release --locked >&2
   bin=${CARGO_TARGET_DIR:-target}/release/envelope
 fi
+if [ -n "${BARE_PROXY_BIN:-}" ]; then
+  bare=$BARE_PROXY_BIN
+else
+  cargo build --release --locked -p envelope-governor --example bare_proxy >&2
+  bare=${CARGO_TARGET_DIR:-target}/release/examples/bare_proxy
+fi
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 work=$(mktemp -d /tmp/envelope-vs-nginx.XXXXXX)
@@ -50,7 +59,7 @@ cleanup() {
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port)
+UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port); BP=$(free_port)
 
 body='{"id":"cmpl-1","object":"text_completion","model":"fixed","choices":[{"index":0,"text":"hello world","finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":2,"total_tokens":10}}'
 # The upstream and the nginx proxy are two nginx instances of one worker
@@ -104,7 +113,11 @@ start_gov() {
 }
 start_gov "$G1" --tokenizer "$model"
 start_gov "$G2"
-for port in $UP $PX $G1 $G2; do
+# The floor: a proxy on the governor's stack (hyper, one tokio thread)
+# doing none of its work (crates/envelope-governor/examples/bare_proxy.rs).
+"$bare" "127.0.0.1:$BP" "127.0.0.1:$UP" > "$work/bare.log" 2>&1 &
+pids+=($!)
+for port in $UP $PX $G1 $G2 $BP; do
   for _ in $(seq 1 100); do
     curl -fsS -o /dev/null "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
     sleep 0.1
@@ -128,15 +141,27 @@ EOF
 # loop. ROUNDS rounds (default 3) take the four paths in turn, so a slow
 # spell of the machine falls on all of them; the table has the medians.
 lat() { wrk -t1 -c1 -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $3, $4}'; }
-tput() { wrk -t2 -c"$conns" -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $2, $5}'; }
+# The CPU time (user + system, clock ticks) a process has used.
+ticks() { [ -n "$1" ] && awk '{print $14 + $15}' "/proc/$1/stat" || echo 0; }
+# req/s, errors, requests, and the CPU ticks the proxy (PID $2) used.
+tput() {
+  local t0 t1 out
+  t0=$(ticks "${2:-}")
+  out=$(wrk -t2 -c"$conns" -d"${secs}s" -s "$work/post.lua" "http://127.0.0.1:$1/v1/completions" | awk '/^RESULT/ {print $2, $5, $6}')
+  t1=$(ticks "${2:-}")
+  echo "$out $((t1 - t0))"
+}
 rounds="${ROUNDS:-3}"
-paths=(direct nginx tokenizer defaults)
-ports=("$UP" "$PX" "$G1" "$G2")
+paths=(direct nginx bare tokenizer defaults)
+ports=("$UP" "$PX" "$BP" "$G1" "$G2")
+# Whose CPU time each path's row reports: nginx's worker, the bare proxy,
+# each governor.
+proc=("" "$(pgrep -P "$(cat "$work/proxy.pid")" | head -1)" "${pids[2]}" "${pids[0]}" "${pids[1]}")
 # Warm up each path, then measure them in turn.
 for port in "${ports[@]}"; do wrk -t1 -c4 -d1s -s "$work/post.lua" "http://127.0.0.1:$port/v1/completions" >/dev/null; done
 for _ in $(seq 1 "$rounds"); do
-  for k in 0 1 2 3; do lat "${ports[$k]}" >>"$work/lat-${paths[$k]}"; done
-  for k in 0 1 2 3; do tput "${ports[$k]}" >>"$work/tput-${paths[$k]}"; done
+  for k in "${!paths[@]}"; do lat "${ports[$k]}" >>"$work/lat-${paths[$k]}"; done
+  for k in "${!paths[@]}"; do tput "${ports[$k]}" "${proc[$k]}" >>"$work/tput-${paths[$k]}"; done
 done
 # Latency again, interleaved: one connection per path, the four paths taken
 # in turn request by request, so every path meets the same spells of a
@@ -144,7 +169,7 @@ done
 # the added p50 of one path anywhere from 0.8x to 3.7x the other's here).
 python3 scripts/paired-latency.py "$((secs * rounds))" /v1/completions \
   '{"model":"fixed","prompt":"Say hello to the world in a few words.","max_tokens":16}' \
-  "direct=127.0.0.1:$UP" "nginx=127.0.0.1:$PX" "tokenizer=127.0.0.1:$G1" "defaults=127.0.0.1:$G2" \
+  "direct=127.0.0.1:$UP" "nginx=127.0.0.1:$PX" "bare=127.0.0.1:$BP" "tokenizer=127.0.0.1:$G1" "defaults=127.0.0.1:$G2" \
   > "$work/paired"
 src1=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G1/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G2/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
@@ -152,9 +177,9 @@ src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"promp
 echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a); POST /v1/completions to a fixed 200 upstream (nginx return); medians of $rounds alternating rounds of latency (wrk -t1 -c1 -d${secs}s) and req/s (wrk -t2 -c$conns -d${secs}s)"
 echo
-python3 - "$work" "$src1" "$src2" <<'EOF'
+python3 - "$work" "$src1" "$src2" "$secs" <<'EOF'
 import statistics, sys
-work, src1, src2 = sys.argv[1:]
+work, src1, src2, secs = sys.argv[1:]
 def cols(kind, path):
     rows = [l.split() for l in open(f"{work}/{kind}-{path}") if l.strip()]
     return [[float(r[i]) for r in rows] for i in range(len(rows[0]))]
@@ -162,10 +187,16 @@ def lat(path):
     p50, p99 = cols("lat", path)
     return statistics.median(p50), statistics.median(p99)
 def tput(path):
-    rps, err = cols("tput", path)
+    rps, err = cols("tput", path)[:2]
     return statistics.median(rps), int(sum(err))
+def rounds(path):
+    # Per round: req/s, and the proxy's CPU time (user + system) a request.
+    rps, _, n, ticks = cols("tput", path)
+    tick = 1e6 / __import__("os").sysconf("SC_CLK_TCK")
+    return rps, [t * tick / max(c, 1) for t, c in zip(ticks, n)]
 d50, d99 = lat("direct"); drps, _ = tput("direct")
 n50, n99 = lat("nginx"); nrps, nerr = tput("nginx")
+b50, b99 = lat("bare"); brps, berr = tput("bare")
 t50, t99 = lat("tokenizer"); trps, terr = tput("tokenizer")
 g50, g99 = lat("defaults"); grps, gerr = tput("defaults")
 add = lambda x, d: max(x - d, 0.0)
@@ -176,12 +207,27 @@ print("| path | added p50 (ms) | added p99 (ms) | req/s | x nginx: p50 / p99 / r
 print("|---|---|---|---|---|---|")
 print(f"| nginx proxy_pass | {nadd50:.3f} | {nadd99:.3f} | {nrps:,.0f} | 1 / 1 / 1 | {nerr} |")
 for name, p50, p99, rps, err in [
+    ("bare hyper proxy (the stack's floor)", b50, b99, brps, berr),
     (f"envelope govern --tokenizer model.gguf (counts: {src1})", t50, t99, trps, terr),
     (f"envelope govern, defaults (counts: {src2})", g50, g99, grps, gerr),
 ]:
     r50 = add(p50, d50) / nadd50 if nadd50 > 0 else float("inf")
     r99 = add(p99, d99) / nadd99 if nadd99 > 0 else float("inf")
     print(f"| {name} | {add(p50, d50):.3f} | {add(p99, d99):.3f} | {rps:,.0f} | {r50:.2f} / {r99:.2f} / {rps / nrps:.2f} | {err} |")
+print()
+# Requests/s again, as each round's ratio to nginx's in the same round
+# (the rounds meet different spells of a shared machine; a ratio within
+# one round does not), and what each proxy's process spent a request.
+nr, ncpu = rounds("nginx")
+print(f"req/s round by round ({len(nr)} rounds, each path {secs}s a round), as a ratio to nginx's in the same round; CPU time (user + system) of the proxy's process a request")
+print()
+print("| path | req/s x nginx, median (range) | CPU us a request, median | CPU x nginx |")
+print("|---|---|---|---|")
+print(f"| nginx proxy_pass | 1 | {statistics.median(ncpu):.1f} | 1 |")
+for key, name in [("bare", "bare hyper proxy (the stack's floor)"), ("tokenizer", "envelope govern --tokenizer model.gguf"), ("defaults", "envelope govern, defaults")]:
+    r, cpu = rounds(key)
+    ratios = [a / b for a, b in zip(r, nr)]
+    print(f"| {name} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {statistics.median(cpu):.1f} | {statistics.median(cpu) / statistics.median(ncpu):.2f} |")
 print()
 paired = {l.split()[0]: [float(x) for x in l.split()[1:]] for l in open(f"{work}/paired") if l.strip()}
 pd50, pd99 = paired["direct"][:2]
@@ -190,7 +236,7 @@ print(f"interleaved (one connection per path, the paths in turn request by reque
 print()
 print("| path | added p50 (ms) | added p99 (ms) | x nginx: p50 / p99 | errors |")
 print("|---|---|---|---|---|")
-for key, name in [("nginx", "nginx proxy_pass"), ("tokenizer", "envelope govern --tokenizer model.gguf"), ("defaults", "envelope govern, defaults")]:
+for key, name in [("nginx", "nginx proxy_pass"), ("bare", "bare hyper proxy (the stack's floor)"), ("tokenizer", "envelope govern --tokenizer model.gguf"), ("defaults", "envelope govern, defaults")]:
     p50, p99, n, err = paired[key]
     a50, a99 = add(p50, pd50), add(p99, pd99)
     r50 = a50 / pn50 if pn50 > 0 else float("inf")
