@@ -726,7 +726,6 @@ async fn handle(
 
 #[cfg(test)]
 mod tests {
-    use super::flow::{find_number, COMPLETION_TOKENS, PROMPT_TOKENS};
     use super::*;
 
     #[tokio::test]
@@ -753,24 +752,6 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-    }
-
-    #[test]
-    fn usage_numbers_are_found_in_the_tail() {
-        let t =
-            br#"data: {"usage":{"prompt_tokens":12,"completion_tokens": 30,"total_tokens":42}}"#;
-        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(12));
-        assert_eq!(find_number(t, &COMPLETION_TOKENS), Some(30));
-        let nope = memchr::memmem::Finder::new(b"\"nope\"");
-        assert_eq!(find_number(t, &nope), None);
-        // The last one counts (a stream's final usage); no digits, none;
-        // bytes that are not UTF-8 around it do not matter.
-        let t = b"\"prompt_tokens\":1 \xff \"prompt_tokens\" : \"7\"}";
-        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(7));
-        assert_eq!(find_number(b"\"prompt_tokens\": x", &PROMPT_TOKENS), None);
-        assert_eq!(find_number(b"\"prompt_tokens\"", &PROMPT_TOKENS), None);
-        let big = b"\"completion_tokens\":99999999999999999999999";
-        assert_eq!(find_number(big, &COMPLETION_TOKENS), None);
     }
 
     #[test]

@@ -94,14 +94,12 @@ type Key = std::sync::LazyLock<memchr::memmem::Finder<'static>>;
 /// The `usage` keys of an answer's tail. The last of each counts, found
 /// by the forward search (vectorised), not the reverse one (which is not,
 /// and cost several times more on a short answer).
-pub(super) static PROMPT_TOKENS: Key =
-    Key::new(|| memchr::memmem::Finder::new(b"\"prompt_tokens\""));
-pub(super) static COMPLETION_TOKENS: Key =
-    Key::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\""));
+static PROMPT_TOKENS: Key = Key::new(|| memchr::memmem::Finder::new(b"\"prompt_tokens\""));
+static COMPLETION_TOKENS: Key = Key::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\""));
 
 /// The number after the last `key` in `hay` (spaces, colons and quotes
 /// between them skipped): bytes searched as they are, not made text.
-pub(super) fn find_number(hay: &[u8], key: &memchr::memmem::Finder<'_>) -> Option<u64> {
+fn find_number(hay: &[u8], key: &memchr::memmem::Finder<'_>) -> Option<u64> {
     let i = key.find_iter(hay).last()? + key.needle().len();
     let rest = &hay[i..];
     let start = rest.iter().position(|b| !matches!(b, b' ' | b':' | b'"'))?;
@@ -539,6 +537,24 @@ pub(crate) fn stream_back_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_numbers_are_found_in_the_tail() {
+        let t =
+            br#"data: {"usage":{"prompt_tokens":12,"completion_tokens": 30,"total_tokens":42}}"#;
+        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(12));
+        assert_eq!(find_number(t, &COMPLETION_TOKENS), Some(30));
+        let nope = memchr::memmem::Finder::new(b"\"nope\"");
+        assert_eq!(find_number(t, &nope), None);
+        // The last one counts (a stream's final usage); no digits, none;
+        // bytes that are not UTF-8 around it do not matter.
+        let t = b"\"prompt_tokens\":1 \xff \"prompt_tokens\" : \"7\"}";
+        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(7));
+        assert_eq!(find_number(b"\"prompt_tokens\": x", &PROMPT_TOKENS), None);
+        assert_eq!(find_number(b"\"prompt_tokens\"", &PROMPT_TOKENS), None);
+        let big = b"\"completion_tokens\":99999999999999999999999";
+        assert_eq!(find_number(big, &COMPLETION_TOKENS), None);
+    }
 
     #[test]
     fn the_tail_keeps_the_last_bytes_however_they_came() {
