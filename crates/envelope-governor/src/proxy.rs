@@ -64,6 +64,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(gov: Arc<Governor>, upstream: &str, counter: TokenCounter) -> AppState {
         let s = gov.settings();
+        headers::warm();
         let upstream = upstream.trim_end_matches('/').to_string();
         let uri = |e: Endpoint| {
             let url = format!("{upstream}{}", e.path());

@@ -102,18 +102,26 @@ const SMALL: usize = 10_000;
 /// Each small number's place in that text: its digits, then spaces.
 const STRIDE: usize = 4;
 
+/// The small numbers' text, made once.
+static DIGITS: std::sync::LazyLock<&'static str> = std::sync::LazyLock::new(|| {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(SMALL * STRIDE);
+    for i in 0..SMALL {
+        let _ = write!(s, "{i:<STRIDE$}");
+    }
+    Box::leak(s.into_boxed_str())
+});
+
+/// Makes the small numbers' text now (at start), not in the first answer.
+pub(crate) fn warm() {
+    std::sync::LazyLock::force(&DIGITS);
+}
+
 /// A number as a header value. Most of an answer's numbers (its output
 /// limit, prompt tokens, milliseconds queued) are small: those are slices
 /// of one text made once, which cost no allocation (a value made from a
 /// number allocates and formats, about 200 instructions each here).
 pub(crate) fn number(n: u64) -> HeaderValue {
-    static DIGITS: std::sync::LazyLock<&'static str> = std::sync::LazyLock::new(|| {
-        let mut s = String::with_capacity(SMALL * STRIDE);
-        for i in 0..SMALL {
-            s.push_str(&format!("{i:<STRIDE$}"));
-        }
-        Box::leak(s.into_boxed_str())
-    });
     match usize::try_from(n) {
         Ok(i) if i < SMALL => {
             let len = i.checked_ilog10().unwrap_or(0) as usize + 1;
