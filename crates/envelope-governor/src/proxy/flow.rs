@@ -501,7 +501,7 @@ pub(crate) fn stream_back_with(
     // Room for the extras and the tenant and class headers added after,
     // made once (growing the map as they come rehashed it).
     let extra = extra.into_iter();
-    headers.reserve(extra.size_hint().0.max(super::headers::ADDED));
+    headers.reserve(extra.size_hint().0 + 2);
     for (k, v) in extra {
         headers.insert(k, v);
     }

@@ -55,11 +55,6 @@ const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms
 pub(super) const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
 pub(super) const CLASS: HeaderName = HeaderName::from_static(CLASS_HEADER);
 
-/// How many answer headers the governor may add beside the upstream's:
-/// [`placed_headers`], the tenant and the class (room made once, as a
-/// map grown header by header is rehashed).
-pub(crate) const ADDED: usize = 7;
-
 /// The headers that say what the governor did with a placed request
 /// (budget headers after them, when the request has budgets).
 pub(crate) fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
