@@ -185,23 +185,6 @@ impl Drop for Permit {
     }
 }
 
-/// Removes a queued entry when the waiting future is dropped (client gone).
-struct Ticket<'a> {
-    gov: &'a Governor,
-    id: u64,
-    armed: bool,
-}
-
-impl Drop for Ticket<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let mut g = self.gov.lock();
-            g.queue.remove(self.id);
-            self.gov.publish(&g);
-        }
-    }
-}
-
 impl Governor {
     pub fn new(settings: Settings) -> Arc<Governor> {
         let cap = full_capacity(&settings.limits);
@@ -738,55 +721,12 @@ impl Governor {
             }
         };
         Self::wake(wakes);
-        let mut ticket = Ticket {
-            gov: self,
-            id,
-            armed: true,
-        };
-        let mut rx = rx;
-        let got = tokio::time::timeout_at(wait_until.into(), &mut rx).await;
-        let result = match got {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(GovernError::Draining),
-            Err(_) => {
-                // Timed out; it may have been granted at the same instant.
-                let removed = {
-                    let mut g = self.lock();
-                    let r = g.queue.remove(id).is_some();
-                    self.publish(&g);
-                    r
-                };
-                if removed {
-                    let mut g = self.lock();
-                    let ra = Self::retry_after(&mut g, self.now_ms(), ask.class, ask.demand);
-                    let (reason, why) = if budget_bound {
-                        (OverloadReason::TtftBudget, "its TTFT budget is spent")
-                    } else {
-                        (OverloadReason::QueueTimeout, "without fitting")
-                    };
-                    Err(Self::overloaded(
-                        reason,
-                        ra,
-                        format!(
-                            "waited {} ms in the admission queue: {why}",
-                            now.elapsed().as_millis()
-                        ),
-                    ))
-                } else {
-                    // Granted as the wait ran out: the wake-up is on its
-                    // way (sent right after the lock is released).
-                    rx.await.unwrap_or(Err(GovernError::Draining))
-                }
-            }
-        };
-        ticket.armed = false;
-        if let Ok(p) = &result {
-            self.metrics.queue_age.observe(p.queued_for.as_secs_f64());
-        }
-        result
+        // Boxed: see `queued`.
+        Box::pin(self.wait_queued(id, rx, wait_until, budget_bound, &ask, now)).await
     }
 }
 
 mod lifecycle;
 mod now;
+mod queued;
 mod state;

@@ -82,7 +82,25 @@ impl Pool {
             }
             // Closed, or stuck: dropping it ends the connection.
         }
-        Ok((self.connect(to).await?, false))
+        // Boxed: most requests find a kept connection, and would carry
+        // the connect's future (a timer, a resolver) for nothing.
+        Ok((Box::pin(self.connect(to)).await?, false))
+    }
+
+    /// `req` once more on a new connection (a kept one closed before it
+    /// took it): the new connection and the answer's head.
+    async fn resend(
+        &self,
+        to: &Authority,
+        uri: &Uri,
+        req: Request<Full<Bytes>>,
+    ) -> Result<(Sender, Response<hyper::body::Incoming>), String> {
+        let mut sender = self.connect(to).await.map_err(|e| format!("{uri}: {e}"))?;
+        let r = sender
+            .send_request(req)
+            .await
+            .map_err(|e| failure(uri, &e))?;
+        Ok((sender, r))
     }
 
     fn put(&self, to: Authority, sender: Sender) {
@@ -189,12 +207,12 @@ impl UpstreamClient {
             Err(mut e) => match e.take_message() {
                 // A kept connection closed before it took the request
                 // (the upstream's keep-alive ran out): once more, anew.
+                // Boxed: rare, and its future would otherwise be carried
+                // (and moved) in every request's.
                 Some(req) if reused => {
-                    sender = pool.connect(&to).await.map_err(|e| format!("{uri}: {e}"))?;
-                    sender
-                        .send_request(req)
-                        .await
-                        .map_err(|e| failure(&uri, &e))?
+                    let (fresh, r) = Box::pin(pool.resend(&to, &uri, req)).await?;
+                    sender = fresh;
+                    r
                 }
                 _ => return Err(failure(&uri, e.error())),
             },

@@ -9,6 +9,7 @@
 //! and `/admin/*` itself. Client-facing errors never name the upstream's
 //! address (the log does).
 
+mod count;
 mod flow;
 mod headers;
 mod serve;
@@ -19,9 +20,9 @@ use crate::client::{Answer, UpstreamClient};
 use crate::error::GovernError;
 use crate::identity::{self, Identity};
 use crate::policy;
-use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
+use crate::request::{self, Endpoint, OutputDecision, ParsedRequest};
 use crate::settings::{path_allowed, Settings};
-use crate::tokens::{self, CountSource, TokenCounter};
+use crate::tokens::{CountSource, TokenCounter};
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header::{CONTENT_TYPE, HOST};
@@ -29,6 +30,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+pub(crate) use count::count;
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
 pub(crate) use headers::{forward_headers, named, placed_headers, tenant_value, Extra, HOP_BY_HOP};
 use headers::{CLASS, TENANT_HEADER};
@@ -361,50 +363,6 @@ async fn read_body(mut body: Body, limit: usize, timeout_ms: u64) -> Result<Byte
     })
 }
 
-/// Prompt tokens per group, within the count timeout and the cap on
-/// requests counted at once; past the timeout, the bound estimate. Media
-/// parts of a chat add their configured cost.
-pub(crate) async fn count(
-    s: &AppState,
-    settings: &Settings,
-    parsed: &ParsedRequest,
-) -> Result<(Vec<u64>, CountSource), GovernError> {
-    let timeout = Duration::from_millis(settings.count_timeout_ms);
-    // Counts that take no waiting skip the timeout and the cap (a timer
-    // and a semaphore a request on the default path).
-    let counted = match s.counter.count_now(parsed) {
-        Some(now) => Ok(Ok(now)),
-        None => {
-            tokio::time::timeout(timeout, async {
-                let _slot = s.counting.acquire().await;
-                s.counter.count(parsed).await
-            })
-            .await
-        }
-    };
-    let (mut counts, source) = match counted {
-        Ok(r) => r?,
-        Err(_) => {
-            tracing::info!(
-                "counting took over {} ms: the bound estimate counts",
-                timeout.as_millis()
-            );
-            (
-                tokens::estimate(parsed, tokens::BOUND_BYTES_PER_TOKEN),
-                CountSource::Estimate,
-            )
-        }
-    };
-    if let Prompts::Messages(c) = &parsed.prompts {
-        let media = c.media.images * settings.image_part_tokens
-            + c.media.audio * settings.audio_part_tokens;
-        if let Some(first) = counts.first_mut() {
-            *first += media;
-        }
-    }
-    Ok((counts, source))
-}
-
 /// A governed request as read: its headers, parsed body (which keeps the
 /// body's bytes), deadline and the end of its lifetime.
 pub(crate) struct Incoming {
@@ -602,8 +560,17 @@ pub(crate) async fn place(
                 plan.demand.seqs,
             );
             let m = &s.gov.metrics;
-            crate::budget::reserve(&s.budget_store, b, m, &who.tenant, feature.as_deref(), a)
-                .await?
+            // Boxed, as counting's wait is: only requests with budgets
+            // carry its future.
+            Box::pin(crate::budget::reserve(
+                &s.budget_store,
+                b,
+                m,
+                &who.tenant,
+                feature.as_deref(),
+                a,
+            ))
+            .await?
         }
     };
     let ask = Ask {

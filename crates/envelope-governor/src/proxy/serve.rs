@@ -119,7 +119,9 @@ async fn serve_routes(
                         }
                         None => {
                             req.extensions_mut().insert(ConnectInfo(peer));
-                            router.oneshot(req_body(req)).await
+                            // Boxed: the governed path's future is the one
+                            // every request's carries and moves.
+                            Box::pin(router.oneshot(req_body(req))).await
                         }
                     }
                 }
