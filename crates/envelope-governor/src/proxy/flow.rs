@@ -63,6 +63,9 @@ struct Flow {
     cut_wait: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     /// The last bytes seen, for the `usage` object at the end.
     tail: Tail,
+    /// The tail's `usage`, read once when the answer ends (the tiers'
+    /// report, the budgets' bill and the permit each want it).
+    usage: Option<(Option<u64>, Option<u64>)>,
     events: u64,
     done: bool,
     /// Told how the stream ended, once.
@@ -222,9 +225,15 @@ impl Flow {
         (ttft, itl, None)
     }
 
+    /// The answer's `usage` numbers (prompt, completion), found in its
+    /// tail once: read only when the answer has ended.
+    fn usage(&mut self) -> (Option<u64>, Option<u64>) {
+        *self.usage.get_or_insert_with(|| self.tail.usage())
+    }
+
     fn tell(&mut self, whole: bool) {
         if let Some(f) = self.on_end.take() {
-            let (prompt_tokens, completion_tokens) = self.tail.usage();
+            let (prompt_tokens, completion_tokens) = self.usage();
             f(StreamEnd {
                 prompt_tokens,
                 completion_tokens,
@@ -248,7 +257,7 @@ impl Flow {
             return;
         }
         let r = hold.reserved();
-        let (prompt, completion) = self.tail.usage();
+        let (prompt, completion) = self.usage();
         let output_tokens = match completion {
             Some(c) => c,
             // Less the closing `[DONE]` of a whole stream.
@@ -273,7 +282,7 @@ impl Flow {
             }
         }
         if let Some(mut p) = self.permit.take() {
-            let used = match self.tail.usage() {
+            let used = match self.usage() {
                 (Some(a), Some(b)) => Some(a + b),
                 // No usage in a stream: one data event is about one token.
                 _ if self.sse => Some(self.events.saturating_sub(1)),
@@ -524,6 +533,7 @@ pub(crate) fn stream_back_with(
         cut: s.gov.cut_signal(),
         cut_wait: None,
         tail: Tail::Empty,
+        usage: None,
         events: 0,
         done: false,
         on_end,
