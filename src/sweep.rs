@@ -140,6 +140,9 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             "{}",
             serde_json::json!({"event": "profile", "profile": serde_json::to_value(p)?})
         );
+        if let Some(why) = &p.no_safe_point {
+            anyhow::bail!("no configuration had a safe operating point: {why}");
+        }
         return Ok(());
     }
     println!(
@@ -169,18 +172,33 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             );
         }
     }
+    let Some(limits) = &p.limits else {
+        println!(
+            "{} probes in {:.0} s; NO SAFE OPERATING POINT: {}",
+            p.probes_total,
+            start.elapsed().as_secs_f64(),
+            p.no_safe_point.as_deref().unwrap_or_default()
+        );
+        println!(
+            "wrote {}/profile.json (limits: null), report.md, report.html, requests.csv, probes.csv",
+            args.out.display()
+        );
+        anyhow::bail!(
+            "no configuration had a safe operating point; see {}/report.md",
+            args.out.display()
+        );
+    };
     println!(
         "{} probes in {:.0} s; selected {}; limits: context {} tokens, output {} tokens, {} sequences, {} KV tokens in flight",
         p.probes_total,
         start.elapsed().as_secs_f64(),
         p.selected,
-        p.limits.max_context_tokens,
-        p.limits.max_output_tokens,
-        p.limits.max_concurrent_seqs,
-        p.limits.max_kv_tokens_in_flight
+        limits.max_context_tokens,
+        limits.max_output_tokens,
+        limits.max_concurrent_seqs,
+        limits.max_kv_tokens_in_flight
     );
-    let table: Vec<String> = p
-        .limits
+    let table: Vec<String> = limits
         .buckets
         .iter()
         .map(|b| format!("{} safe at {}", b.label(), b.safe_concurrency))

@@ -310,7 +310,10 @@ impl GovernArgs {
         let shown = profile_path.display().to_string();
         let text = read("--profile", profile_path)?;
         let profile = Profile::from_json(&text, &shown)?;
-        let mut limits = profile.limits.clone();
+        let mut limits = profile
+            .enforceable_limits()
+            .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?
+            .clone();
         if conservative {
             limits = live::conservative(&limits);
         }

@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn conservative_halves_capacity() {
-        let l = conservative(&profile(json!({})).limits);
+        let l = conservative(profile(json!({})).limits.as_ref().unwrap());
         assert_eq!((l.max_concurrent_seqs, l.max_kv_tokens_in_flight), (2, 50));
         assert_eq!(l.max_context_tokens, 100);
         assert_eq!(l.buckets[0].safe_concurrency, 2);

@@ -65,6 +65,11 @@ pub struct TargetConfig {
     /// http and launch: a request taking longer is an error (default 600).
     #[serde(default = "default_request_timeout")]
     pub request_timeout_s: u64,
+    /// http and launch: the served model's tokenizer (`.gguf` or
+    /// `tokenizer.json`), recorded in the profile with its SHA-256 so a
+    /// governor can count prompts with it (default: the model file the
+    /// server reports, where it reports one, as llama.cpp's `/props` does).
+    pub tokenizer: Option<PathBuf>,
     /// launch: what a matrix value becomes in the command, per placeholder
     /// (`precision`, `kv_dtype`, `batch_policy`), e.g.
     /// `[target.values.precision] fp8 = "--quantization fp8"`. A placeholder
@@ -383,6 +388,7 @@ pub struct HttpClientConfig {
     pub extra_body: serde_json::Map<String, serde_json::Value>,
     pub request_timeout_s: u64,
     pub kv_capacity_tokens: Option<u64>,
+    pub tokenizer: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -501,6 +507,7 @@ impl BenchConfig {
             extra_body,
             request_timeout_s: t.request_timeout_s.max(1),
             kv_capacity_tokens: t.kv_capacity_tokens,
+            tokenizer: t.tokenizer.clone(),
         };
         let m = &raw.matrix;
         let nonempty = |v: &Vec<String>, f: &str| {
@@ -682,10 +689,14 @@ impl BenchConfig {
                 s.headroom
             )));
         }
-        if !(0.0..=1.0).contains(&s.max_kv_usage) || !(0.0..=1.0).contains(&s.max_error_rate) {
-            return Err(err(
-                "slo.max_kv_usage and slo.max_error_rate must be in [0, 1]".into(),
-            ));
+        for (name, v) in [
+            ("slo.max_kv_usage", s.max_kv_usage),
+            ("slo.max_error_rate", s.max_error_rate),
+            ("slo.max_shed_rate", s.max_shed_rate),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(err(format!("{name} must be in [0, 1], got {v}")));
+            }
         }
         if !t.values.is_empty() && !matches!(target, Target::Launch { .. }) {
             return Err(err("target.values is for the launch target".into()));

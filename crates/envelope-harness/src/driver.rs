@@ -103,6 +103,7 @@ pub enum PromptFormat {
 /// An OpenAI-compatible server.
 pub struct HttpDriver {
     client: reqwest::blocking::Client,
+    base_url: String,
     completions_url: String,
     metrics_url: Option<String>,
     model: String,
@@ -136,6 +137,7 @@ impl HttpDriver {
             .map_err(|e| format!("HTTP client: {e}"))?;
         Ok(HttpDriver {
             client,
+            base_url: s.base_url.trim_end_matches('/').to_string(),
             completions_url: format!("{}/v1/completions", s.base_url.trim_end_matches('/')),
             metrics_url: s.metrics_url,
             model: s.model,
@@ -194,15 +196,32 @@ impl HttpDriver {
         t0: Instant,
         rec: &mut RequestRecord,
     ) -> Result<(), String> {
-        let resp = self
-            .client
-            .post(&self.completions_url)
-            .json(&self.body(req))
-            .send()
-            .map_err(|e| error(reason::REQUEST_FAILED, e))?;
+        let body = self.body(req);
+        let send = || self.client.post(&self.completions_url).json(&body).send();
+        // A kept-alive connection the server closed as this request went out
+        // (llama.cpp's server closes every connection after a streamed
+        // answer, though its headers say keep-alive) fails with no answer:
+        // sent once more, on a new connection. A timeout is not retried.
+        let resp = match send() {
+            Ok(r) => r,
+            Err(e) if !e.is_timeout() => send().map_err(|e| error(reason::REQUEST_FAILED, e))?,
+            Err(e) => return Err(error(reason::REQUEST_FAILED, e)),
+        };
         let status = resp.status();
+        rec.governed = resp
+            .headers()
+            .keys()
+            .any(|k| k.as_str().starts_with("x-envelope-"));
         if !status.is_success() {
+            let retry_after = retry_after_s(resp.headers());
             let text = resp.text().unwrap_or_default();
+            if let (429, Some(s)) = (status.as_u16(), retry_after) {
+                rec.retry_after_s = Some(s);
+                return Err(error(
+                    reason::REFUSED,
+                    format!("HTTP 429, retry after {s} s: {}", first_line(&text)),
+                ));
+            }
             return Err(error(
                 &format!("http_{}", status.as_u16()),
                 format!("HTTP {}: {}", status.as_u16(), first_line(&text)),
@@ -261,6 +280,46 @@ impl HttpDriver {
         Ok(())
     }
 
+    /// The JSON a GET of `path` on the server answers; `None` for anything
+    /// else (an error status, no answer within 10 s, not JSON).
+    pub fn get_json(&self, path: &str) -> Option<serde_json::Value> {
+        let resp = self
+            .client
+            .get(format!("{}{path}", self.base_url))
+            .timeout(Duration::from_secs(10))
+            .send()
+            .ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        resp.json().ok()
+    }
+
+    /// The server's `usage.prompt_tokens` for `text` sent as the prompt of a
+    /// one-token, non-streaming completion.
+    pub fn count_prompt(&self, text: &str) -> Result<u32, String> {
+        let resp = self
+            .client
+            .post(&self.completions_url)
+            .json(&serde_json::json!({
+                "model": self.model,
+                "prompt": text,
+                "max_tokens": 1,
+                "temperature": 0,
+            }))
+            .send()
+            .map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let v: serde_json::Value = resp.json().map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("HTTP {}: {v}", status.as_u16()));
+        }
+        v.pointer("/usage/prompt_tokens")
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as u32)
+            .ok_or_else(|| "the answer has no usage.prompt_tokens".into())
+    }
+
     /// Tokens the server's KV cache holds, when its metrics say.
     pub fn kv_capacity_tokens(&self) -> Option<u64> {
         self.metrics()?.kv_capacity_tokens.map(|t| t as u64)
@@ -278,6 +337,16 @@ impl HttpDriver {
             .ok()?;
         envelope_telemetry::engine_state::parse_engine_state(&text).ok()
     }
+}
+
+/// The wait a refusal asks for: `retry-after-ms`, else `Retry-After` in
+/// seconds (the forms the OpenAI clients honour).
+fn retry_after_s(h: &reqwest::header::HeaderMap) -> Option<f64> {
+    let num = |name: &str| h.get(name)?.to_str().ok()?.trim().parse::<f64>().ok();
+    num("retry-after-ms")
+        .map(|ms| ms / 1e3)
+        .or_else(|| num("retry-after"))
+        .filter(|s| s.is_finite() && *s >= 0.0)
 }
 
 fn first_line(s: &str) -> &str {
@@ -325,5 +394,26 @@ impl Driver for HttpDriver {
 
     fn exact_output(&self) -> bool {
         self.exact_output
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::{HeaderMap, HeaderValue};
+
+    #[test]
+    fn a_refusal_asks_for_its_wait_in_either_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(retry_after_s(&h), None);
+        h.insert("retry-after", HeaderValue::from_static("2"));
+        assert_eq!(retry_after_s(&h), Some(2.0));
+        // The OpenAI clients read retry-after-ms first.
+        h.insert("retry-after-ms", HeaderValue::from_static("250"));
+        assert_eq!(retry_after_s(&h), Some(0.25));
+        h.clear();
+        // An HTTP date or garbage is no number of seconds.
+        h.insert("retry-after", HeaderValue::from_static("soon"));
+        assert_eq!(retry_after_s(&h), None);
     }
 }

@@ -224,7 +224,12 @@ fn client_cpu(driver: &dyn Driver) -> Option<f64> {
     }
 }
 
-/// `concurrency` workers send `total_requests` between them, all starting together.
+/// The longest Retry-After a closed-loop worker waits (the OpenAI clients
+/// honour up to 60 s; a probe is shorter).
+const MAX_RETRY_AFTER_S: f64 = 10.0;
+
+/// `concurrency` workers send `total_requests` between them, all starting
+/// together; a worker refused with Retry-After waits that long first.
 pub fn closed_loop(
     driver: &Arc<dyn Driver>,
     prompts: &Prompts,
@@ -265,7 +270,13 @@ pub fn closed_loop(
                         let mut m = gap.lock().unwrap_or_else(|e| e.into_inner());
                         *m = m.max(g);
                     }
-                    out.push(timed(&*d, &req, w, start, &in_flight));
+                    let rec = timed(&*d, &req, w, start, &in_flight);
+                    // A refusal's Retry-After is honoured, as a client of a
+                    // governor does; the wait is not a client gap.
+                    if let Some(s) = rec.retry_after_s {
+                        std::thread::sleep(Duration::from_secs_f64(s.min(MAX_RETRY_AFTER_S)));
+                    }
+                    out.push(rec);
                     last_end = Some(Instant::now());
                 }
             })

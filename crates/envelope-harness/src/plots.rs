@@ -393,6 +393,7 @@ mod tests {
             concurrency: c,
             requests: 8,
             errors: 0,
+            refused: 0,
             duration_s: 1.0,
             ttft_ms: Percentiles {
                 p95: 10.0 * c as f64,

@@ -23,6 +23,11 @@ pub struct RequestRecord {
     pub run: u32,
     /// `reason: detail` (see [`crate::truth`]); None for a whole answer.
     pub error: Option<String>,
+    /// A refusal (429 with Retry-After; the error's reason is `refused`):
+    /// the seconds the server asked the client to wait.
+    pub retry_after_s: Option<f64>,
+    /// The answer came through `envelope govern` (it has its headers).
+    pub governed: bool,
 }
 
 /// One request of a probe.

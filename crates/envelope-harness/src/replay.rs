@@ -110,7 +110,7 @@ pub fn validate(
         extra_body: Default::default(),
         request_timeout: Duration::from_secs(600),
     })?;
-    check_server(&mut driver).map_err(|e| format!("server check failed: {e}"))?;
+    check_server(&mut driver, None).map_err(|e| format!("server check failed: {e}"))?;
     let load = AgentLoad {
         workload: share(workload, &s.scenario, sc.replicas)?,
         arrival: Arrival::Poisson,

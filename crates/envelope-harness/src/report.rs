@@ -40,7 +40,12 @@ const HEAD: [&str; 9] = [
 ];
 
 fn limits_line(p: &Profile) -> String {
-    let l = &p.limits;
+    let Some(l) = &p.limits else {
+        return format!(
+            "none: NO SAFE OPERATING POINT ({}); the governor refuses this profile",
+            p.no_safe_point.as_deref().unwrap_or("no reason recorded")
+        );
+    };
     format!(
         "max context {} tokens, max output {} tokens, max concurrent sequences {}, max KV tokens in flight {}",
         l.max_context_tokens, l.max_output_tokens, l.max_concurrent_seqs, l.max_kv_tokens_in_flight
@@ -62,8 +67,8 @@ fn envelope_rows(p: &Profile) -> (Vec<&'static str>, Vec<Vec<String>>) {
     let o = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.1}"));
     let rows = p
         .limits
-        .buckets
         .iter()
+        .flat_map(|l| &l.buckets)
         .map(|b| {
             vec![
                 b.label(),
@@ -246,15 +251,27 @@ fn server_section(p: &Profile) -> String {
             *failed.entry(r.as_str()).or_insert(0) += n;
         }
     }
+    let refused: u64 = p
+        .configs
+        .iter()
+        .flat_map(|c| &c.buckets)
+        .flat_map(|b| &b.probes)
+        .map(|p| p.refused)
+        .sum();
     let mut s = String::new();
     if !servers.is_empty() {
-        s += "\n## Servers\n\n| config | time to ready (s) | ignore_eos honoured | token-id prompts | notes |\n|---|---|---|---|---|\n";
+        s += "\n## Servers\n\n| config | time to ready (s) | governed | ignore_eos honoured | token-id prompts | notes |\n|---|---|---|---|---|---|\n";
         for c in servers {
             let ch = c.server_checks.as_ref();
             s += &format!(
-                "| {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} |\n",
                 c.name,
                 c.time_to_ready_s.map_or("-".into(), |t| format!("{t:.1}")),
+                ch.map_or("-", |c| if c.governed {
+                    "**yes** (envelope govern)"
+                } else {
+                    "no"
+                }),
                 ch.map_or("-", |c| if c.ignore_eos { "yes" } else { "**no**" }),
                 ch.map_or("-", |c| if c.token_prompts {
                     "yes"
@@ -264,6 +281,9 @@ fn server_section(p: &Profile) -> String {
                 ch.map_or(String::new(), |c| c.notes.join("; "))
             );
         }
+    }
+    if refused > 0 {
+        s += &format!("\nRefused requests (429 with Retry-After: shed by a governed target, not failures; `shed` breaches past `slo.max_shed_rate` {}): {refused}.\n", p.slo.max_shed_rate);
     }
     if !failed.is_empty() {
         s += "\nFailed requests by reason (a request succeeds only when the whole asked output arrived with a finish reason): ";

@@ -53,7 +53,12 @@ pub struct ProbeRow {
     /// The searched value (concurrency, or rate in `load.rate_step_per_s` steps).
     pub ladder: u32,
     pub requests: u64,
+    /// Failed requests (refusals not included).
     pub errors: u64,
+    /// Refused with 429 and Retry-After (a governed target shedding load).
+    pub refused: u64,
+    /// refused / requests.
+    pub shed_rate: f64,
     pub duration_s: f64,
     pub ttft_p95_ms: f64,
     pub itl_p95_ms: f64,
@@ -468,6 +473,8 @@ fn push_rows(
         ladder,
         requests: s.requests,
         errors: s.errors,
+        refused: s.refused,
+        shed_rate: s.refused as f64 / s.requests.max(1) as f64,
         duration_s: s.duration_s,
         ttft_p95_ms: s.ttft_ms.p95,
         itl_p95_ms: s.itl_ms.p95,
@@ -540,6 +547,8 @@ pub fn run_sweep(
         .iter()
         .map(|p| run_point(&mut ctx, p, progress))
         .collect();
+    let mut fingerprint = fingerprint;
+    record_served_model(&mut fingerprint, &configs);
     let probes_total = ctx.probes_total;
     let telemetry = ctx.telemetry;
     let rows = (ctx.requests, ctx.probes);
@@ -551,20 +560,13 @@ pub fn run_sweep(
             .filter_map(|b| b.at_feasible.as_ref().map(|p| p.output_tok_per_s))
             .sum()
     };
+    // Only a configuration with a safe point somewhere can be selected.
     let best = configs
         .iter()
-        .filter(|c| c.error.is_none() && !c.buckets.is_empty())
+        .filter(|c| has_safe_point(c))
         .max_by(|a, b| score(a).total_cmp(&score(b)));
-    let limits = match best {
-        Some(c) => Limits::from_config(c, kv_tokens_limit(c, cfg.slo.headroom)),
-        None => Limits {
-            max_context_tokens: 1,
-            max_output_tokens: 1,
-            max_concurrent_seqs: 1,
-            max_kv_tokens_in_flight: 1,
-            buckets: vec![],
-        },
-    };
+    let limits = best.map(|c| Limits::from_config(c, kv_tokens_limit(c, cfg.slo.headroom)));
+    let no_safe_point = best.is_none().then(|| why_no_safe_point(&configs));
     let (quality, quality_error) = match score_quality(cfg, best) {
         Ok(q) => (q, None),
         Err(e) => (None, Some(e)),
@@ -577,6 +579,7 @@ pub fn run_sweep(
         selected: best.map(|c| c.name.clone()).unwrap_or_default(),
         configs,
         limits,
+        no_safe_point,
         probes_total,
         quality,
     };
@@ -587,6 +590,73 @@ pub fn run_sweep(
         probes: rows.1,
         telemetry,
     }
+}
+
+/// A model known by the name sent in requests (`kind: served`) is
+/// recorded as the server names it in `/v1/models` (llama.cpp's server
+/// answers any name but lists its model file), so a governor's check
+/// compares like with like; the name the config sent is kept as
+/// `requested`.
+fn record_served_model(fingerprint: &mut serde_json::Value, configs: &[ConfigResult]) {
+    let Some(model) = fingerprint.get_mut("model") else {
+        return;
+    };
+    if model.get("kind").and_then(|k| k.as_str()) != Some("served") {
+        return;
+    }
+    let served: Vec<&String> = configs
+        .iter()
+        .filter_map(|c| c.server_checks.as_ref())
+        .flat_map(|c| &c.served_models)
+        .collect();
+    let requested = model.get("id").and_then(|i| i.as_str()).unwrap_or_default();
+    if served.is_empty() || served.iter().any(|s| *s == requested) {
+        return;
+    }
+    let id = served[0].clone();
+    model["requested"] = requested.into();
+    model["id"] = id.into();
+}
+
+/// Whether a configuration ran without a setup error and was feasible at
+/// some load in at least one bucket.
+fn has_safe_point(c: &ConfigResult) -> bool {
+    c.error.is_none() && c.buckets.iter().any(|b| b.feasible_concurrency >= 1)
+}
+
+/// Why no configuration has a safe point, one clause per configuration:
+/// its setup error, or each bucket's binding constraint at the lowest load.
+pub fn why_no_safe_point(configs: &[ConfigResult]) -> String {
+    if configs.is_empty() {
+        return "the sweep ran no configuration".into();
+    }
+    configs
+        .iter()
+        .map(|c| {
+            let why = match &c.error {
+                Some(e) => e.clone(),
+                None if c.buckets.is_empty() => "no bucket was probed".into(),
+                None => {
+                    let per_bucket: Vec<String> = c
+                        .buckets
+                        .iter()
+                        .map(|b| {
+                            let lowest = b.probes.iter().map(|p| p.concurrency).min().unwrap_or(0);
+                            format!(
+                                "{}x{} breached {} already at concurrency {lowest}",
+                                b.input_tokens,
+                                b.output_tokens,
+                                b.binding_constraint.as_str()
+                            )
+                        })
+                        .collect();
+                    format!("no bucket was safe at any load: {}", per_bucket.join("; "))
+                }
+            };
+            format!("{}: {why}", c.name)
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 impl SweepOutput {

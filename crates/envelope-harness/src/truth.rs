@@ -30,6 +30,9 @@ pub mod reason {
     pub const REQUEST_FAILED: &str = "request_failed";
     /// The engine refused the request or stopped.
     pub const ENGINE_ERROR: &str = "engine_error";
+    /// A 429 with Retry-After: the target shed the request (a governor's
+    /// answer to load over its envelope). Counted apart from failures.
+    pub const REFUSED: &str = "refused";
 }
 
 /// `reason: detail`, the form of every request error.
@@ -73,10 +76,14 @@ pub fn judge(asked: u32, rec: &RequestRecord, exact: bool) -> Option<String> {
     None
 }
 
-/// Failed requests counted by reason.
+/// Failed requests counted by reason (refusals are not failures).
 pub fn reasons(records: &[RequestRecord]) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    for e in records.iter().filter_map(|r| r.error.as_deref()) {
+    for e in records
+        .iter()
+        .filter(|r| r.retry_after_s.is_none())
+        .filter_map(|r| r.error.as_deref())
+    {
         *out.entry(reason_of(e).to_string()).or_insert(0) += 1;
     }
     out

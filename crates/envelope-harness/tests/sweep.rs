@@ -94,9 +94,9 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
         assert_eq!(b.safe_concurrency, with_headroom(predicted, 0.2));
         assert_eq!(b.safe_concurrency, 8);
     }
-    assert!(p.limits.max_concurrent_seqs >= 8);
-    assert_eq!(p.limits.max_context_tokens, 48);
-    assert_eq!(p.limits.max_kv_tokens_in_flight, 384);
+    assert!(p.limits.as_ref().unwrap().max_concurrent_seqs >= 8);
+    assert_eq!(p.limits.as_ref().unwrap().max_context_tokens, 48);
+    assert_eq!(p.limits.as_ref().unwrap().max_kv_tokens_in_flight, 384);
     // Raw data and a profile the governor can read.
     let dir = std::env::temp_dir().join(format!("envelope-sweep-{}", std::process::id()));
     out.write(&dir).unwrap();

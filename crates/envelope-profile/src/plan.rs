@@ -302,8 +302,9 @@ fn supply_for(
     let (probe, scale, what) = safe_point_probe(b).ok_or_else(no_safe)?;
     let mut kv = cfg.memory.kv_capacity_tokens as f64;
     let mut kv_source = format!("configs[{}].memory.kv_capacity_tokens", cfg.name);
-    if cfg.name == profile.selected && (profile.limits.max_kv_tokens_in_flight as f64) < kv {
-        kv = profile.limits.max_kv_tokens_in_flight as f64;
+    let selected_kv = profile.limits.as_ref().map(|l| l.max_kv_tokens_in_flight);
+    if let Some(limit) = selected_kv.filter(|l| cfg.name == profile.selected && (*l as f64) < kv) {
+        kv = limit as f64;
         kv_source = "limits.max_kv_tokens_in_flight".into();
     }
     Ok(ClassSupply {

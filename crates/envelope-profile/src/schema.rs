@@ -1,6 +1,13 @@
-//! Profile schema, version 2 (`profiles/schema/profile.schema.json`
+//! Profile schema, version 3 (`profiles/schema/profile.schema.json`
 //! describes the same shape). Parse, then validate: [`Profile::from_json`]
 //! rejects a profile the governor could not enforce, naming the field.
+//!
+//! Version 3 allows `limits: null` with `no_safe_point` saying why: a
+//! sweep in which no configuration had a safe point writes no limits
+//! rather than made-up ones, and [`Profile::enforceable_limits`] refuses
+//! it. `server_checks` gained what the sweep learnt of a server: the
+//! model ids it serves, its bytes per token on English text and its
+//! tokenizer file.
 //!
 //! Version 2 adds `limits.buckets`, the measured envelope per request shape
 //! (context bucket -> safe concurrency, KV tokens, latency at that point).
@@ -12,8 +19,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-pub const PROFILE_SCHEMA: &str = "envelope.profile/v2";
-/// The previous version, still read (see [`Profile::from_json`]).
+pub const PROFILE_SCHEMA: &str = "envelope.profile/v3";
+/// Earlier versions, still read (see [`Profile::from_json`]).
+pub const PROFILE_SCHEMA_V2: &str = "envelope.profile/v2";
 pub const PROFILE_SCHEMA_V1: &str = "envelope.profile/v1";
 
 /// Why a probe or a configuration stopped being feasible.
@@ -32,6 +40,9 @@ pub enum Constraint {
     SearchCap,
     /// The load generator could not keep up: nothing can be certified.
     ClientLimited,
+    /// A governed target refused (429 with Retry-After) more than
+    /// `slo.max_shed_rate` of the requests.
+    Shed,
 }
 
 impl Constraint {
@@ -47,6 +58,7 @@ impl Constraint {
             Constraint::Crash => "crash",
             Constraint::SearchCap => "search_cap",
             Constraint::ClientLimited => "client_limited",
+            Constraint::Shed => "shed",
         }
     }
 }
@@ -58,8 +70,14 @@ pub struct Slo {
     pub ttft_p95_ms: Option<f64>,
     pub itl_p95_ms: Option<f64>,
     pub e2e_p99_ms: Option<f64>,
+    /// Failed requests allowed, as a share of the admitted ones (a
+    /// refusal is not a failure).
     #[serde(default)]
     pub max_error_rate: f64,
+    /// Refusals (429 with Retry-After, as a governor answers) allowed, as a
+    /// share of the requests sent.
+    #[serde(default = "twentieth")]
+    pub max_shed_rate: f64,
     #[serde(default = "one")]
     pub max_kv_usage: f64,
     #[serde(default = "yes")]
@@ -78,6 +96,9 @@ fn yes() -> bool {
 fn tenth() -> f64 {
     0.1
 }
+fn twentieth() -> f64 {
+    0.05
+}
 
 impl Default for Slo {
     fn default() -> Self {
@@ -86,6 +107,7 @@ impl Default for Slo {
             itl_p95_ms: None,
             e2e_p99_ms: None,
             max_error_rate: 0.0,
+            max_shed_rate: 0.05,
             max_kv_usage: 1.0,
             zero_preemptions: true,
             headroom: 0.1,
@@ -98,7 +120,12 @@ impl Default for Slo {
 pub struct ProbeSummary {
     pub concurrency: u32,
     pub requests: u64,
+    /// Failed requests, refusals not included.
     pub errors: u64,
+    /// Requests a governed target refused with 429 and Retry-After (shed,
+    /// not failed).
+    #[serde(default)]
+    pub refused: u64,
     pub duration_s: f64,
     pub ttft_ms: Percentiles,
     pub itl_ms: Percentiles,
@@ -305,6 +332,33 @@ pub struct ServerChecks {
     pub token_prompts: bool,
     /// What was seen, in words.
     pub notes: Vec<String>,
+    /// The server's answers carry `envelope govern`'s headers: the sweep
+    /// measured a governed system (refusals are shed load, not failures).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub governed: bool,
+    /// The model ids the server's `/v1/models` lists (the governor
+    /// compares its upstream's list with these).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub served_models: Vec<String>,
+    /// Bytes per token of ordinary English text, from the server's own
+    /// `usage.prompt_tokens` for a fixed passage: where a governor cannot
+    /// count with a tokenizer, its estimate starts here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_bytes_per_token: Option<f64>,
+    /// The served model's tokenizer file (a `.gguf` or `tokenizer.json`),
+    /// as the sweep config (`target.tokenizer`) or the server (llama.cpp's
+    /// `/props`) names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerFile>,
+}
+
+/// A tokenizer file and its digest: a governor loads it only when the file
+/// at `path` is there and has this SHA-256.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFile {
+    pub path: String,
+    pub sha256: String,
 }
 
 /// What the governor enforces.
@@ -467,7 +521,12 @@ pub struct Profile {
     pub configs: Vec<ConfigResult>,
     /// The configuration the limits come from.
     pub selected: String,
-    pub limits: Limits,
+    /// `None` when no configuration had a safe point (`no_safe_point` says
+    /// why); such a profile cannot be enforced.
+    pub limits: Option<Limits>,
+    /// Why `limits` is `None`, per configuration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_safe_point: Option<String>,
     pub probes_total: u32,
     /// `envelope quality`: perplexity, and KL divergence and top-1
     /// agreement against a reference precision.
@@ -494,42 +553,53 @@ impl Profile {
             message: m,
         };
         let mut p: Profile = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-        if p.schema != PROFILE_SCHEMA && p.schema != PROFILE_SCHEMA_V1 {
+        if ![PROFILE_SCHEMA, PROFILE_SCHEMA_V2, PROFILE_SCHEMA_V1].contains(&p.schema.as_str()) {
             return Err(bad(format!(
-                "field `schema` is `{}`, expected `{PROFILE_SCHEMA}` (or `{PROFILE_SCHEMA_V1}`)",
+                "field `schema` is `{}`, expected `{PROFILE_SCHEMA}` (or `{PROFILE_SCHEMA_V2}`, `{PROFILE_SCHEMA_V1}`)",
                 p.schema
             )));
         }
-        let l = &p.limits;
-        for (name, v) in [
-            ("limits.max_context_tokens", l.max_context_tokens),
-            ("limits.max_output_tokens", l.max_output_tokens),
-            ("limits.max_concurrent_seqs", l.max_concurrent_seqs),
-            ("limits.max_kv_tokens_in_flight", l.max_kv_tokens_in_flight),
-        ] {
-            if v == 0 {
-                return Err(bad(format!("field `{name}` must be at least 1")));
-            }
-        }
-        if l.max_output_tokens > l.max_context_tokens {
+        if p.limits.is_none() && p.no_safe_point.is_none() {
             return Err(bad(
-                "field `limits.max_output_tokens` exceeds `limits.max_context_tokens`".into(),
+                "field `limits` is null and `no_safe_point` does not say why".into(),
             ));
         }
-        if p.limits.buckets.is_empty() {
-            p.limits.buckets = p.migrated_buckets();
-            // v1 kept the smallest bucket's concurrency for every request;
-            // with the table the cap is the largest and the table bounds a mix.
-            let most = p.limits.buckets.iter().map(|b| b.safe_concurrency).max();
-            p.limits.max_concurrent_seqs = most.unwrap_or(1).max(p.limits.max_concurrent_seqs);
+        if let Some(l) = &p.limits {
+            for (name, v) in [
+                ("limits.max_context_tokens", l.max_context_tokens),
+                ("limits.max_output_tokens", l.max_output_tokens),
+                ("limits.max_concurrent_seqs", l.max_concurrent_seqs),
+                ("limits.max_kv_tokens_in_flight", l.max_kv_tokens_in_flight),
+            ] {
+                if v == 0 {
+                    return Err(bad(format!("field `{name}` must be at least 1")));
+                }
+            }
+            if l.max_output_tokens > l.max_context_tokens {
+                return Err(bad(
+                    "field `limits.max_output_tokens` exceeds `limits.max_context_tokens`".into(),
+                ));
+            }
         }
-        sort_buckets(&mut p.limits.buckets);
-        for (i, b) in p.limits.buckets.iter().enumerate() {
-            if b.safe_concurrency == 0 || b.total_tokens() == 0 {
-                return Err(bad(format!(
-                    "field `limits.buckets[{i}]` ({}): `safe_concurrency` and `input_tokens + output_tokens` must be at least 1",
-                    b.label()
-                )));
+        if p.limits.as_ref().is_some_and(|l| l.buckets.is_empty()) {
+            let migrated = p.migrated_buckets();
+            if let Some(l) = p.limits.as_mut() {
+                l.buckets = migrated;
+                // v1 kept the smallest bucket's concurrency for every request;
+                // with the table the cap is the largest and the table bounds a mix.
+                let most = l.buckets.iter().map(|b| b.safe_concurrency).max();
+                l.max_concurrent_seqs = most.unwrap_or(1).max(l.max_concurrent_seqs);
+            }
+        }
+        if let Some(l) = p.limits.as_mut() {
+            sort_buckets(&mut l.buckets);
+            for (i, b) in l.buckets.iter().enumerate() {
+                if b.safe_concurrency == 0 || b.total_tokens() == 0 {
+                    return Err(bad(format!(
+                        "field `limits.buckets[{i}]` ({}): `safe_concurrency` and `input_tokens + output_tokens` must be at least 1",
+                        b.label()
+                    )));
+                }
             }
         }
         if !(0.0..1.0).contains(&p.slo.headroom) {
@@ -539,6 +609,29 @@ impl Profile {
             )));
         }
         Ok(p)
+    }
+
+    /// The limits to enforce.
+    ///
+    /// # Errors
+    /// The sweep found no safe operating point; the error says why.
+    pub fn enforceable_limits(&self) -> Result<&Limits, String> {
+        self.limits.as_ref().ok_or_else(|| {
+            format!(
+                "the profile has no limits: the sweep found no safe operating point ({})",
+                self.no_safe_point
+                    .as_deref()
+                    .unwrap_or("no reason recorded")
+            )
+        })
+    }
+
+    /// The selected configuration's server checks (http and launch targets).
+    pub fn selected_checks(&self) -> Option<&ServerChecks> {
+        self.configs
+            .iter()
+            .find(|c| c.name == self.selected)
+            .and_then(|c| c.server_checks.as_ref())
     }
 
     /// The per-bucket table of a profile written without one (schema v1):
@@ -553,203 +646,18 @@ impl Profile {
             .unwrap_or_default();
         // Rows past the context cap could never be used; a table that does
         // not reach the cap would refuse what v1 admitted.
-        let cap = self.limits.max_context_tokens;
+        let Some(limits) = &self.limits else {
+            return vec![];
+        };
+        let cap = limits.max_context_tokens;
         let reaches = from_sweep.iter().any(|b| b.total_tokens() >= cap);
         if !from_sweep.is_empty() && reaches {
             from_sweep
         } else {
-            vec![self.limits.single_row()]
+            vec![limits.single_row()]
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sample() -> Profile {
-        Profile {
-            schema: PROFILE_SCHEMA.into(),
-            created_unix_ms: 1,
-            fingerprint: serde_json::json!({"schema": 1}),
-            slo: Slo::default(),
-            configs: vec![],
-            selected: "x".into(),
-            limits: Limits {
-                max_context_tokens: 2048,
-                max_output_tokens: 512,
-                max_concurrent_seqs: 8,
-                max_kv_tokens_in_flight: 8192,
-                buckets: vec![],
-            },
-            probes_total: 0,
-            quality: None,
-        }
-    }
-
-    fn bucket(input: u32, output: u32, safe: u32, probes: &[(u32, f64)]) -> BucketResult {
-        let probes: Vec<ProbeSummary> = probes
-            .iter()
-            .map(|&(c, ttft)| ProbeSummary {
-                concurrency: c,
-                ttft_ms: Percentiles {
-                    p95: ttft,
-                    ..Default::default()
-                },
-                output_tok_per_s: 10.0 * c as f64,
-                valid: true,
-                ..Default::default()
-            })
-            .collect();
-        BucketResult {
-            input_tokens: input,
-            output_tokens: output,
-            feasible_concurrency: safe + 1,
-            infeasible_concurrency: None,
-            safe_concurrency: safe,
-            binding_constraint: Constraint::TtftP95,
-            knee_concurrency: None,
-            at_feasible: probes.last().cloned(),
-            feasible_rate_per_s: None,
-            safe_rate_per_s: None,
-            probes,
-        }
-    }
-
-    fn config(buckets: Vec<BucketResult>) -> ConfigResult {
-        ConfigResult {
-            name: "x".into(),
-            precision: "q4_1".into(),
-            kv_dtype: "f16".into(),
-            batch_policy: "continuous".into(),
-            max_num_seqs: 16,
-            memory: MemoryReport::default(),
-            backend: None,
-            buckets,
-            error: None,
-            server_checks: None,
-            time_to_ready_s: None,
-            workload: None,
-        }
-    }
-
-    #[test]
-    fn the_table_comes_from_the_sweep_per_bucket() {
-        let c = config(vec![
-            bucket(
-                256,
-                32,
-                4,
-                &[(1, 100.0), (2, 150.0), (4, 300.0), (8, 900.0)],
-            ),
-            bucket(64, 32, 13, &[(1, 50.0), (8, 200.0), (16, 700.0)]),
-        ]);
-        let l = Limits::from_config(&c, 5000);
-        assert_eq!(l.max_concurrent_seqs, 13);
-        assert_eq!((l.max_context_tokens, l.max_output_tokens), (288, 32));
-        let labels: Vec<String> = l.buckets.iter().map(|b| b.label()).collect();
-        assert_eq!(labels, ["64x32", "256x32"]);
-        // Latency from the largest clean probe at or under the safe point.
-        assert_eq!(l.buckets[0].measured_at_concurrency, Some(8));
-        assert_eq!(l.buckets[0].ttft_p95_ms, Some(200.0));
-        assert_eq!(l.buckets[1].ttft_p95_ms, Some(300.0));
-        assert_eq!(l.buckets[1].kv_tokens, 4 * 288);
-        // The smallest covering bucket; none past the largest.
-        assert_eq!(l.bucket_for(97).unwrap().1.label(), "256x32");
-        assert_eq!(l.bucket_for(96).unwrap().0, 0);
-        assert_eq!(l.bucket_for(1).unwrap().0, 0);
-        assert!(l.bucket_for(289).is_none());
-    }
-
-    #[test]
-    fn a_v1_profile_loads_with_its_table_rebuilt_from_the_sweep() {
-        let mut p = sample();
-        p.schema = PROFILE_SCHEMA_V1.into();
-        p.limits = Limits {
-            max_context_tokens: 288,
-            max_output_tokens: 32,
-            max_concurrent_seqs: 4,
-            max_kv_tokens_in_flight: 5000,
-            buckets: vec![],
-        };
-        p.configs = vec![config(vec![
-            bucket(64, 32, 13, &[(8, 200.0)]),
-            bucket(256, 32, 4, &[(4, 300.0)]),
-        ])];
-        let mut v = serde_json::to_value(&p).unwrap();
-        v["limits"].as_object_mut().unwrap().remove("buckets");
-        let got = Profile::from_json(&v.to_string(), "old.json").unwrap();
-        assert_eq!(got.limits.buckets.len(), 2);
-        assert_eq!(got.limits.max_concurrent_seqs, 13);
-        // Without the sweep's results: one row of the scalar limits.
-        p.configs.clear();
-        let mut v = serde_json::to_value(&p).unwrap();
-        v["limits"].as_object_mut().unwrap().remove("buckets");
-        let got = Profile::from_json(&v.to_string(), "old.json").unwrap();
-        assert_eq!(got.limits.buckets.len(), 1);
-        let row = &got.limits.buckets[0];
-        assert_eq!((row.label(), row.safe_concurrency), ("256x32".into(), 4));
-        assert_eq!(got.limits.max_concurrent_seqs, 4);
-    }
-
-    #[test]
-    fn committed_json_schema_is_current() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../profiles/schema/profile.schema.json"
-        );
-        let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
-        if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
-            std::fs::write(path, &want).unwrap();
-        }
-        let have = std::fs::read_to_string(path).unwrap_or_default();
-        assert!(
-            have == want,
-            "{path} is stale: run ENVELOPE_WRITE_SCHEMA=1 cargo test -p envelope-profile"
-        );
-    }
-
-    #[test]
-    fn round_trips_and_validates() {
-        let text = serde_json::to_string(&sample()).unwrap();
-        let mut want = sample();
-        want.limits.buckets = vec![want.limits.single_row()];
-        let got = Profile::from_json(&text, "p.json").unwrap();
-        assert_eq!(got, want);
-        let again = serde_json::to_string(&got).unwrap();
-        assert_eq!(Profile::from_json(&again, "p.json").unwrap(), want);
-        let mut p = sample();
-        p.limits.max_concurrent_seqs = 0;
-        let e = Profile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("p.json") && e.contains("limits.max_concurrent_seqs"),
-            "{e}"
-        );
-        let mut p = sample();
-        p.schema = "envelope.profile/v0".into();
-        assert!(
-            Profile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
-                .unwrap_err()
-                .to_string()
-                .contains("schema")
-        );
-        assert!(Profile::from_json("{", "p.json").is_err());
-        let mut p = sample();
-        p.limits.buckets = vec![p.limits.single_row()];
-        p.limits.buckets[0].safe_concurrency = 0;
-        let e = Profile::from_json(&serde_json::to_string(&p).unwrap(), "p.json")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("limits.buckets[0]") && e.contains("1536x512"),
-            "{e}"
-        );
-        assert_eq!(Constraint::KvCache.as_str(), "kv_cache");
-        assert_eq!(
-            serde_json::to_string(&Constraint::ItlP95).unwrap(),
-            "\"itl_p95\""
-        );
-    }
-}
+mod tests;

@@ -94,6 +94,13 @@ fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The SHA-256 of a file's bytes, as lowercase hex.
+pub fn file_sha256(path: &Path) -> std::io::Result<String> {
+    let mut h = Sha256::new();
+    hash_file(path, &mut h)?;
+    Ok(hex(&h.finalize()))
+}
+
 fn hash_file(path: &Path, h: &mut Sha256) -> std::io::Result<u64> {
     let mut f = std::fs::File::open(path)?;
     let mut buf = vec![0u8; 1 << 20];

@@ -223,7 +223,7 @@ fn open_launch(
     driver.pid = Some(server.pid());
     let mut memory = memory_at_rest(Some(server.pid()), gpu_before);
     memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
-    let checks = match check_server(&mut driver) {
+    let checks = match check_server(&mut driver, cfg.http.tokenizer.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             server.stop(Duration::from_secs(5));
@@ -254,8 +254,8 @@ pub(super) fn open(
             let mut driver = http_driver(cfg, base_url)?;
             let mut memory = memory_at_rest(None, None);
             memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
-            let checks =
-                check_server(&mut driver).map_err(|e| format!("server check failed: {e}"))?;
+            let checks = check_server(&mut driver, cfg.http.tokenizer.as_deref())
+                .map_err(|e| format!("server check failed: {e}"))?;
             Ok(Session {
                 driver: Arc::new(driver),
                 engine: None,

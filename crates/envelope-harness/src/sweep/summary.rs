@@ -36,10 +36,16 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
             && slo.e2e_p99_ms.is_none_or(|t| ms(r.e2e_s) <= t)
     };
     let good = ok.iter().filter(|r| meets(r)).count();
+    let refused = run
+        .records
+        .iter()
+        .filter(|r| r.retry_after_s.is_some())
+        .count();
     let mut s = ProbeSummary {
         concurrency,
         requests: run.records.len() as u64,
-        errors: (run.records.len() - ok.len()) as u64,
+        errors: (run.records.len() - ok.len() - refused) as u64,
+        refused: refused as u64,
         duration_s: run.duration_s,
         ttft_ms: percentiles(&ttft),
         itl_ms: percentiles(&itl),
@@ -85,8 +91,13 @@ pub fn breaches(s: &ProbeSummary, slo: &Slo) -> Vec<Constraint> {
             b.push(Constraint::Preemption);
         }
     }
-    if s.requests == 0 || s.errors as f64 / s.requests as f64 > slo.max_error_rate {
+    // Failures as a share of the admitted requests; refusals apart.
+    let admitted = s.requests.saturating_sub(s.refused);
+    if s.requests == 0 || (admitted > 0 && s.errors as f64 / admitted as f64 > slo.max_error_rate) {
         b.push(Constraint::Errors);
+    }
+    if s.requests > 0 && s.refused as f64 / s.requests as f64 > slo.max_shed_rate {
+        b.push(Constraint::Shed);
     }
     if slo.ttft_p95_ms.is_some_and(|t| s.ttft_ms.p95 > t) {
         b.push(Constraint::TtftP95);

@@ -79,13 +79,14 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
             workload: None,
         }],
         selected: format!("{precision}-f32-continuous"),
-        limits: Limits {
+        limits: Some(Limits {
             max_context_tokens: 192,
             max_output_tokens: 64,
             max_concurrent_seqs: 8,
             max_kv_tokens_in_flight: 1000,
             buckets: vec![],
-        },
+        }),
+        no_safe_point: None,
         probes_total: 4,
         quality: Some(QualityReport {
             model: "m.gguf".into(),

@@ -174,13 +174,14 @@ fn profile() -> Profile {
             workload: None,
         }],
         selected: "c".into(),
-        limits: Limits {
+        limits: Some(Limits {
             max_context_tokens: 18432,
             max_output_tokens: 2048,
             max_concurrent_seqs: 64,
             max_kv_tokens_in_flight: 500_000,
             buckets: vec![],
-        },
+        }),
+        no_safe_point: None,
         probes_total: 4,
         quality: None,
     }

@@ -194,3 +194,74 @@ fn the_kv_tokens_the_governor_may_reserve() {
     c.buckets.clear();
     assert_eq!(kv_tokens_limit(&c, 0.1), 1);
 }
+
+#[test]
+fn refusals_are_shed_load_not_failures() {
+    // A governed target: 18 whole answers and 2 refusals (429 with
+    // Retry-After) out of 20.
+    let refusal = RequestRecord {
+        error: Some("refused: HTTP 429, retry after 1 s".into()),
+        retry_after_s: Some(1.0),
+        ..Default::default()
+    };
+    let mut records = vec![rec(0.1, 0.02, 33); 18];
+    records.extend([refusal.clone(), refusal]);
+    let s = summarise(&run(records, 2.0), 4, &slo(), &LoadConfig::default());
+    assert_eq!((s.requests, s.errors, s.refused), (20, 0, 2));
+    assert!(s.error_reasons.is_empty(), "{:?}", s.error_reasons);
+    // 10% shed: over the default 5% it breaches `shed`, not `errors`.
+    assert_eq!(s.breaches, vec![Constraint::Shed]);
+    let lenient = Slo {
+        max_shed_rate: 0.1,
+        ..slo()
+    };
+    assert!(breaches(&s, &lenient).is_empty());
+    // A failure among the admitted ones is still one.
+    let mut failed = s.clone();
+    failed.errors = 1;
+    assert_eq!(breaches(&failed, &lenient), vec![Constraint::Errors]);
+}
+
+#[test]
+fn no_safe_point_says_why_per_configuration() {
+    let probe = |c: u32| ProbeSummary {
+        concurrency: c,
+        breaches: vec![Constraint::TtftP95],
+        ..Default::default()
+    };
+    let bucket = BucketResult {
+        input_tokens: 64,
+        output_tokens: 32,
+        feasible_concurrency: 0,
+        infeasible_concurrency: Some(1),
+        safe_concurrency: 0,
+        binding_constraint: Constraint::TtftP95,
+        knee_concurrency: None,
+        at_feasible: None,
+        feasible_rate_per_s: None,
+        safe_rate_per_s: None,
+        probes: vec![probe(1)],
+    };
+    let config = |name: &str, error: Option<&str>| ConfigResult {
+        name: name.into(),
+        precision: "q4_1".into(),
+        kv_dtype: "f16".into(),
+        batch_policy: "continuous".into(),
+        max_num_seqs: 4,
+        memory: Default::default(),
+        backend: None,
+        buckets: vec![bucket.clone()],
+        error: error.map(str::to_string),
+        server_checks: None,
+        time_to_ready_s: None,
+        workload: None,
+    };
+    let why = crate::sweep::why_no_safe_point(&[
+        config("a", None),
+        config("b", Some("server check failed: HTTP 500")),
+    ]);
+    assert_eq!(
+        why,
+        "a: no bucket was safe at any load: 64x32 breached ttft_p95 already at concurrency 1 | b: server check failed: HTTP 500"
+    );
+}
