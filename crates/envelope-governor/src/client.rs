@@ -12,7 +12,9 @@
 //! been read to its end (one dropped part-way is closed), redirects are
 //! never followed (the answer goes back as it is), a connect timeout
 //! bounds an unreachable upstream, and a request that a reused connection
-//! closed under before taking it is sent once more on a new one.
+//! closed under, before taking it or after taking it but before any byte
+//! of an answer came back (servers such as llama.cpp's close idle
+//! kept-alive connections), is sent once more on a new one.
 
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_TYPE, HOST};
@@ -44,8 +46,22 @@ type Sender = SendRequest<Full<Bytes>>;
 #[derive(Clone)]
 pub struct UpstreamClient(Arc<Pool>);
 
+/// How requests found their connection (counters shared with the
+/// governor's metrics).
+#[derive(Clone, Default)]
+pub struct ConnectionCounters {
+    /// Requests sent on a kept connection.
+    pub reused: prometheus_client::metrics::counter::Counter,
+    /// Requests that needed a new connection.
+    pub opened: prometheus_client::metrics::counter::Counter,
+    /// Requests sent again on a new connection after a kept one closed
+    /// under them with no answer.
+    pub resent: prometheus_client::metrics::counter::Counter,
+}
+
 struct Pool {
     connect_timeout: Duration,
+    counters: ConnectionCounters,
     /// Idle connections and where they go, the most recently used last.
     idle: Mutex<Vec<(Authority, Sender)>>,
 }
@@ -147,8 +163,14 @@ impl Pool {
 
 impl UpstreamClient {
     pub fn new(connect_timeout: Duration) -> UpstreamClient {
+        UpstreamClient::counted(connect_timeout, ConnectionCounters::default())
+    }
+
+    /// A client that counts its connections' use in `counters`.
+    pub fn counted(connect_timeout: Duration, counters: ConnectionCounters) -> UpstreamClient {
         UpstreamClient(Arc::new(Pool {
             connect_timeout,
+            counters,
             idle: Mutex::new(Vec::new()),
         }))
     }
@@ -193,29 +215,48 @@ impl UpstreamClient {
         };
         // The request line has the path only (origin form).
         let path = uri.path_and_query().map_or("/", |p| p.as_str());
-        let mut req = Request::new(Full::new(body));
-        *req.method_mut() = method;
-        *req.uri_mut() = Uri::try_from(path).map_err(|e| format!("{uri}: {e}"))?;
-        *req.headers_mut() = headers;
+        let origin = Uri::try_from(path).map_err(|e| format!("{uri}: {e}"))?;
         let pool = &self.0;
         let (mut sender, reused) = pool
             .checkout(&to)
             .await
             .map_err(|e| format!("{uri}: {e}"))?;
+        let counters = &pool.counters;
+        if reused {
+            counters.reused.inc();
+        } else {
+            counters.opened.inc();
+        }
+        // On a kept connection the request is kept (its body is shared,
+        // not copied) until an answer's head comes back, to send it again.
+        let again = reused.then(|| (method.clone(), headers.clone(), body.clone()));
+        let req = request(method, origin.clone(), headers, body);
         let resp = match sender.try_send_request(req).await {
             Ok(r) => r,
-            Err(mut e) => match e.take_message() {
-                // A kept connection closed before it took the request
-                // (the upstream's keep-alive ran out): once more, anew.
-                // Boxed: rare, and its future would otherwise be carried
-                // (and moved) in every request's.
-                Some(req) if reused => {
-                    let (fresh, r) = Box::pin(pool.resend(&to, &uri, req)).await?;
-                    sender = fresh;
-                    r
+            Err(mut e) => {
+                let unsent = e.take_message();
+                match (unsent, again) {
+                    // A kept connection closed before it took the request,
+                    // or took it and closed with no answer (the upstream's
+                    // keep-alive ran out): once more, anew. Boxed: rare, and
+                    // its future would otherwise be carried (and moved) in
+                    // every request's.
+                    (Some(req), Some(_)) => {
+                        counters.resent.inc();
+                        let (fresh, r) = Box::pin(pool.resend(&to, &uri, req)).await?;
+                        sender = fresh;
+                        r
+                    }
+                    (None, Some((m, h, b))) if closed_with_no_answer(e.error()) => {
+                        counters.resent.inc();
+                        let req = request(m, origin, h, b);
+                        let (fresh, r) = Box::pin(pool.resend(&to, &uri, req)).await?;
+                        sender = fresh;
+                        r
+                    }
+                    _ => return Err(failure(&uri, e.error())),
                 }
-                _ => return Err(failure(&uri, e.error())),
-            },
+            }
         };
         let (parts, body) = resp.into_parts();
         let back = Some((pool.clone(), to, sender));
@@ -241,6 +282,35 @@ impl UpstreamClient {
         self.send(Method::POST, url, headers, body.to_string().into())
             .await
     }
+}
+
+fn request(method: Method, origin: Uri, headers: HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = method;
+    *req.uri_mut() = origin;
+    *req.headers_mut() = headers;
+    req
+}
+
+/// Whether a sent request's connection ended before any of its answer
+/// came back: hyper's incomplete message, or the connection reset or
+/// broken under it.
+fn closed_with_no_answer(e: &hyper::Error) -> bool {
+    use std::error::Error as _;
+    if e.is_incomplete_message() {
+        return true;
+    }
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            );
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// What went wrong, with its causes (hyper's own message is terse).
@@ -367,6 +437,9 @@ mod tests {
         KeepAlive,
         /// One answer, then the socket closes (no `Connection: close`).
         OneThenClose,
+        /// One answer; the next request on the connection is read and the
+        /// socket closed with no answer (llama.cpp's server after a stream).
+        OneThenCloseOnNext,
         /// A head promising 100 bytes, 10 of them, then nothing.
         Stall,
         /// "ok" as soon as the head is in, the request's body never read,
@@ -388,6 +461,7 @@ mod tests {
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
+                    let mut answered = 0;
                     loop {
                         while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
                             match s.read(&mut chunk).await {
@@ -396,6 +470,10 @@ mod tests {
                             }
                         }
                         buf.clear();
+                        if matches!(serve, Serve::OneThenCloseOnNext) && answered == 1 {
+                            return;
+                        }
+                        answered += 1;
                         match serve {
                             Serve::EarlyAnswer => {
                                 let _ = s
@@ -467,6 +545,27 @@ mod tests {
             assert_eq!(get(&c, &url).await.unwrap(), "ok", "request {i}");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test]
+    async fn a_request_a_kept_connection_closed_under_unanswered_is_sent_again() {
+        let (url, accepted) = upstream(Serve::OneThenCloseOnNext).await;
+        let counters = ConnectionCounters::default();
+        let c = UpstreamClient::counted(Duration::from_secs(2), counters.clone());
+        for i in 1..=4 {
+            assert_eq!(get(&c, &url).await.unwrap(), "ok", "request {i}");
+        }
+        // Requests 2-4 went out on the kept connection, got no answer and
+        // were sent again on a new one.
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        assert_eq!(
+            (
+                counters.reused.get(),
+                counters.opened.get(),
+                counters.resent.get()
+            ),
+            (3, 1, 3)
+        );
     }
 
     #[tokio::test]

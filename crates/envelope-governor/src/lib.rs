@@ -35,6 +35,7 @@ pub mod start;
 pub mod tiers;
 pub mod tokens;
 pub mod upstream;
+pub mod upstream_tokenize;
 
 pub use admission::{Ask, Governor, Permit};
 pub use client::{Answer, UpstreamClient};

@@ -69,6 +69,8 @@ pub struct Metrics {
     pub token_counts: WordCounters,
     pub output_decisions: WordCounters,
     pub upstream_errors: Family<Labels, Counter>,
+    /// How requests found their upstream connection (kept, new, resent).
+    pub upstream_connections: crate::client::ConnectionCounters,
     pub reserved_tokens_settled: Counter,
     pub used_tokens_settled: Counter,
     pub reloads: Family<Labels, Counter>,
@@ -111,6 +113,7 @@ impl Metrics {
             token_counts: WordCounters::new("source"),
             output_decisions: WordCounters::new("decision"),
             upstream_errors: Family::default(),
+            upstream_connections: Default::default(),
             reserved_tokens_settled: Counter::default(),
             used_tokens_settled: Counter::default(),
             reloads: Family::default(),
@@ -235,6 +238,21 @@ impl Metrics {
             "envelope_governor_upstream_errors",
             "Upstream failures, by kind",
             m.upstream_errors
+        );
+        reg!(
+            "envelope_governor_upstream_requests_on_kept_connections",
+            "Requests sent to the upstream on a kept-alive connection",
+            m.upstream_connections.reused
+        );
+        reg!(
+            "envelope_governor_upstream_requests_on_new_connections",
+            "Requests sent to the upstream on a new connection",
+            m.upstream_connections.opened
+        );
+        reg!(
+            "envelope_governor_upstream_resent",
+            "Requests sent again on a new connection after a kept one closed with no answer",
+            m.upstream_connections.resent
         );
         reg!(
             "envelope_governor_reserved_tokens_settled",

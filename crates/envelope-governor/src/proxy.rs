@@ -73,7 +73,10 @@ impl AppState {
             url.parse::<Uri>().map_err(|err| format!("{url}: {err}"))
         };
         AppState {
-            client: upstream_client(&s),
+            client: UpstreamClient::counted(
+                Duration::from_millis(s.connect_timeout_ms),
+                gov.metrics.upstream_connections.clone(),
+            ),
             counting: Arc::new(tokio::sync::Semaphore::new(s.max_counting)),
             gov,
             endpoint_uris: uri(Endpoint::Completions).and_then(|a| {

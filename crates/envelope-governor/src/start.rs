@@ -49,6 +49,9 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let shown = profile_path.display().to_string();
     let text = crate::config::read("--profile", &profile_path)?;
     let profile = Profile::from_json(&text, &shown)?;
+    profile
+        .enforceable_limits()
+        .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?;
     let conservative =
         crate::upstream::check_profile(&args, &client, &upstream, &profile, &shown).await?;
     let settings = args.settings(&profile_path, conservative)?;
@@ -58,6 +61,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         &client,
         &upstream,
         Duration::from_millis(settings.connect_timeout_ms),
+        &profile,
     )
     .await?;
     let l = &settings.limits;

@@ -1,11 +1,11 @@
 //! Counting prompt tokens, from the best source configured: token-id
 //! prompts count exactly; otherwise the served model's tokenizer (from its
 //! `.gguf` file or a `tokenizer.json`; prompts over 4 KiB are encoded on a
-//! blocking thread), or the upstream's
-//! `POST /tokenize` (vLLM's shape, which `envelope serve` also has:
-//! `{"prompt"}` or `{"messages"}` -> `{"count"}`), at most one call per
-//! request, or an estimate that is labelled as such in the
-//! `x-envelope-token-count` header and the metrics.
+//! blocking thread), or the upstream's tokenize endpoint in its own
+//! dialect ([`crate::upstream_tokenize`]: vLLM's, TGI's, llama.cpp's,
+//! llama-cpp-python's), at most one call per request, or an estimate that
+//! is labelled as such in the `x-envelope-token-count` header and the
+//! metrics.
 //!
 //! The estimate is an upper bound by default: one token per byte of UTF-8
 //! (a byte-level BPE or byte-fallback tokenizer never makes more), so no
@@ -21,6 +21,7 @@
 
 use crate::error::GovernError;
 use crate::request::{ChatText, ParsedRequest, Prompts};
+use crate::upstream_tokenize::{joined_text, ChatOverhead, Dialect};
 use envelope_tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -35,11 +36,19 @@ pub const SPECIAL_TOKENS_PER_PROMPT: u64 = 2;
 #[derive(Clone)]
 pub enum TokenCounter {
     /// The served model's own: from its `.gguf` file or a `tokenizer.json`.
-    Tokenizer(Arc<TextTokenizer>),
+    Tokenizer {
+        tokenizer: Arc<TextTokenizer>,
+        /// A chat's template tokens (the local count applies no template).
+        chat: ChatOverhead,
+    },
     Upstream {
         client: crate::client::UpstreamClient,
+        /// The endpoint (`{upstream}` + the dialect's path).
         url: String,
         timeout: Duration,
+        dialect: Dialect,
+        /// A chat's template tokens, where the endpoint applies none.
+        chat: ChatOverhead,
     },
     Estimate {
         bytes_per_token: f64,
@@ -69,8 +78,10 @@ impl CountSource {
 impl std::fmt::Debug for TokenCounter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            TokenCounter::Tokenizer(_) => write!(f, "Tokenizer"),
-            TokenCounter::Upstream { url, .. } => write!(f, "Upstream({url})"),
+            TokenCounter::Tokenizer { .. } => write!(f, "Tokenizer"),
+            TokenCounter::Upstream { url, dialect, .. } => {
+                write!(f, "Upstream({}: {url})", dialect.name())
+            }
             TokenCounter::Estimate { bytes_per_token } => {
                 write!(f, "Estimate({bytes_per_token} bytes/token)")
             }
@@ -132,11 +143,48 @@ fn encode_len(t: &TextTokenizer, text: &str) -> u64 {
 }
 
 impl TokenCounter {
+    /// The same counter with `chat` as its chat template's tokens (where
+    /// the count applies no template: a local tokenizer, or an endpoint
+    /// that takes text only).
+    pub fn with_chat_overhead(self, chat: ChatOverhead) -> TokenCounter {
+        match self {
+            TokenCounter::Tokenizer { tokenizer, .. } => {
+                TokenCounter::Tokenizer { tokenizer, chat }
+            }
+            TokenCounter::Upstream {
+                client,
+                url,
+                timeout,
+                dialect,
+                ..
+            } => TokenCounter::Upstream {
+                client,
+                url,
+                timeout,
+                dialect,
+                chat,
+            },
+            other => other,
+        }
+    }
+
+    /// Counts one text now or with one wait (for measuring a chat
+    /// template at start); `None` where the counter cannot.
+    pub async fn count_text(&self, text: &str) -> Option<u64> {
+        let body = serde_json::to_vec(&json!({ "prompt": text })).ok()?;
+        let req = crate::request::parse(crate::request::Endpoint::Completions, &body).ok()?;
+        let (counts, _) = self.count(&req).await.ok()?;
+        counts.first().copied()
+    }
+
     /// Loads the model's tokenizer from its `.gguf` file (the vocabulary
     /// in its metadata) or a `tokenizer.json`.
     pub fn from_tokenizer_file(path: &std::path::Path) -> Result<TokenCounter, String> {
         TextTokenizer::from_path(path)
-            .map(|t| TokenCounter::Tokenizer(Arc::new(t)))
+            .map(|t| TokenCounter::Tokenizer {
+                tokenizer: Arc::new(t),
+                chat: ChatOverhead::default(),
+            })
             .map_err(|e| format!("loading tokenizer {}: {e}", path.display()))
     }
 
@@ -159,10 +207,10 @@ impl TokenCounter {
             TokenCounter::Estimate { bytes_per_token } => {
                 Ok((estimate(req, *bytes_per_token), CountSource::Estimate))
             }
-            TokenCounter::Tokenizer(t) => {
-                let t = t.clone();
+            TokenCounter::Tokenizer { tokenizer, chat } => {
+                let (t, chat) = (tokenizer.clone(), *chat);
                 let prompts = req.prompts.clone();
-                let counts = tokio::task::spawn_blocking(move || encode_all(&t, &prompts))
+                let counts = tokio::task::spawn_blocking(move || encode_all(&t, &prompts, &chat))
                     .await
                     .map_err(|e| GovernError::invalid(None, format!("counting failed: {e}")))?;
                 Ok((counts, CountSource::Tokenizer))
@@ -171,10 +219,16 @@ impl TokenCounter {
                 client,
                 url,
                 timeout,
+                dialect,
+                chat,
             } => {
-                let body = match &req.prompts {
-                    Prompts::Texts(v) if v.len() == 1 => json!({ "prompt": v[0] }),
-                    Prompts::Messages(c) => json!({ "messages": c.as_messages() }),
+                // What the endpoint is asked, and what to add to its count.
+                let (body, added) = match &req.prompts {
+                    Prompts::Texts(v) if v.len() == 1 => (dialect.text_body(&v[0]), 0),
+                    Prompts::Messages(c) if dialect.takes_chats() => {
+                        (json!({ "messages": c.as_messages() }), 0)
+                    }
+                    Prompts::Messages(c) => (dialect.text_body(&joined_text(c)), chat.of(c)),
                     _ => return Ok((estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate)),
                 };
                 // The answer's head and body, both within the timeout.
@@ -202,9 +256,9 @@ impl TokenCounter {
                 };
                 let count = answer
                     .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-                    .and_then(|v| v.get("count").and_then(Value::as_u64));
+                    .and_then(|v| dialect.count_in(&v));
                 Ok(match count {
-                    Some(c) => (vec![c], CountSource::Upstream),
+                    Some(c) => (vec![c + added], CountSource::Upstream),
                     None => (estimate(req, BOUND_BYTES_PER_TOKEN), CountSource::Estimate),
                 })
             }
@@ -230,19 +284,25 @@ impl TokenCounter {
             TokenCounter::Estimate { bytes_per_token } => {
                 Some((estimate(req, *bytes_per_token), CountSource::Estimate))
             }
-            TokenCounter::Tokenizer(t) if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES => {
-                Some((encode_all(t, &req.prompts), CountSource::Tokenizer))
+            TokenCounter::Tokenizer { tokenizer, chat }
+                if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES =>
+            {
+                Some((
+                    encode_all(tokenizer, &req.prompts, chat),
+                    CountSource::Tokenizer,
+                ))
             }
             _ => None,
         }
     }
 }
 
-/// Each prompt's (or the chat's) tokens with `t`.
-fn encode_all(t: &TextTokenizer, prompts: &Prompts) -> Vec<u64> {
+/// Each prompt's (or the chat's) tokens with `t`; a chat's messages
+/// joined as an upstream's tokenize endpoint counts them, plus `chat`.
+fn encode_all(t: &TextTokenizer, prompts: &Prompts, chat: &ChatOverhead) -> Vec<u64> {
     match prompts {
         Prompts::Texts(v) => v.iter().map(|p| encode_len(t, p)).collect(),
-        Prompts::Messages(c) => vec![chat_tokens(c, |x| encode_len(t, x))],
+        Prompts::Messages(c) => vec![encode_len(t, &joined_text(c)) + chat.of(c)],
         Prompts::Tokens(v) => v.iter().map(|x| x.len() as u64).collect(),
     }
 }
@@ -327,6 +387,8 @@ mod tests {
             client: crate::client::UpstreamClient::new(Duration::from_secs(2)),
             url: "http://127.0.0.1:9/tokenize".into(),
             timeout: Duration::from_secs(2),
+            dialect: Dialect::Vllm,
+            chat: ChatOverhead::default(),
         };
         let r = parse(Endpoint::Completions, br#"{"prompt":"x"}"#).unwrap();
         let e = c.count(&r).await.unwrap_err();
@@ -348,6 +410,8 @@ mod tests {
             client: crate::client::UpstreamClient::new(Duration::from_secs(2)),
             url: "http://127.0.0.1:9/tokenize".into(),
             timeout: Duration::from_secs(2),
+            dialect: Dialect::Vllm,
+            chat: ChatOverhead::default(),
         };
         // A /tokenize call waits (under the caller's timeout and cap)...
         assert!(upstream.count_now(&text).is_none());

@@ -4,6 +4,7 @@
 use crate::client::{Answer, UpstreamClient};
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
+use crate::upstream_tokenize::{self, ChatOverhead, Dialect};
 use crate::{live, TokenCounter};
 use axum::http::{HeaderMap, Method};
 use envelope_profile::Profile;
@@ -45,46 +46,142 @@ pub(crate) async fn get_json(client: &UpstreamClient, url: &str) -> Option<serde
     serde_json::from_slice(&body).ok()
 }
 
+/// How prompt tokens are counted, from the best source there is:
+/// `--tokenizer`; else the upstream's tokenize endpoint in its own dialect
+/// (found by asking it; a chat template it does not apply is measured
+/// from its own usage); else the tokenizer file the profile names, when
+/// that file is here with the same SHA-256; else the estimate (one token
+/// per byte, an upper bound). The log says which.
 pub(crate) async fn pick_counter(
     args: &GovernArgs,
     tokenizer: Option<&Path>,
     client: &UpstreamClient,
     upstream: &str,
     connect_timeout: Duration,
+    profile: &Profile,
 ) -> Result<TokenCounter, StartError> {
     if let Some(p) = tokenizer {
-        return TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid);
+        tracing::info!(
+            "counting prompt tokens with the tokenizer in {} (--tokenizer)",
+            p.display()
+        );
+        let local = TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid)?;
+        return Ok(with_measured_chat(local, client, upstream).await);
     }
-    let estimate = TokenCounter::Estimate {
-        bytes_per_token: args
-            .estimate_bytes_per_token
-            .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN),
-    };
-    let url = format!("{upstream}/tokenize");
-    let upstream_counter = TokenCounter::Upstream {
+    let bytes_per_token = args
+        .estimate_bytes_per_token
+        .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN);
+    let estimate = TokenCounter::Estimate { bytes_per_token };
+    let counter = |dialect: Dialect| TokenCounter::Upstream {
         client: UpstreamClient::new(connect_timeout),
-        url: url.clone(),
+        url: format!("{upstream}{}", dialect.path()),
         timeout: Duration::from_secs(10),
+        dialect,
+        chat: ChatOverhead::default(),
     };
-    match args.token_count.unwrap_or(TokenCount::Auto) {
-        TokenCount::Estimate => Ok(estimate),
-        TokenCount::Upstream => Ok(upstream_counter),
-        TokenCount::Auto => {
-            let probe = call(client, &url, Some(serde_json::json!({"prompt": "probe"}))).await;
-            match probe {
-                Ok(r) if r.status().is_success() => Ok(upstream_counter),
-                Ok(r) => {
-                    tracing::warn!("no --tokenizer and {url} answers HTTP {}: prompt tokens are ESTIMATED (bytes / {}, rounded up); responses say so in x-envelope-token-count", r.status().as_u16(), args.estimate_bytes_per_token.unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN));
-                    Ok(estimate)
+    let chosen = match args.token_count.unwrap_or(TokenCount::Auto) {
+        TokenCount::Estimate => {
+            tracing::warn!("prompt tokens are ESTIMATED (bytes / {bytes_per_token}, rounded up; --token-count estimate)");
+            return Ok(estimate);
+        }
+        TokenCount::Upstream => {
+            let dialect = upstream_tokenize::detect(client, upstream)
+                .await
+                .unwrap_or(Dialect::Vllm);
+            tracing::info!(
+                "counting prompt tokens with the upstream's {} (--token-count upstream)",
+                dialect.name()
+            );
+            counter(dialect)
+        }
+        TokenCount::Auto => match upstream_tokenize::detect(client, upstream).await {
+            Some(d) if d.safe_beside_streams() => {
+                tracing::info!("counting prompt tokens with the upstream's {}", d.name());
+                counter(d)
+            }
+            found => {
+                if let Some(d) = found {
+                    tracing::warn!("the upstream has {}, but a call to it while a stream runs cuts that stream (llama-cpp-python's --interrupt_requests): not used", d.name());
                 }
-                // Not up yet: count with it once it is (requests get 502 while
-                // it is down, as they would from the upstream itself).
-                Err(e) => {
-                    tracing::warn!("{url} is not reachable yet ({e}); counting with it once it is");
-                    Ok(upstream_counter)
+                if let Some(t) = profile_tokenizer(profile) {
+                    t
+                } else if found.is_none()
+                    && get_json(client, &format!("{upstream}/v1/models"))
+                        .await
+                        .is_none()
+                {
+                    // Not up yet: ask it again once it is (requests get 502
+                    // while it is down, as they would from the upstream).
+                    tracing::warn!("{upstream} is not reachable yet; counting with its vLLM-style /tokenize once it is");
+                    return Ok(counter(Dialect::Vllm));
+                } else {
+                    tracing::warn!("no --tokenizer, no tokenize endpoint on {upstream} to use (tried: {}), and no tokenizer file from the profile here: prompt tokens are ESTIMATED (bytes / {bytes_per_token}, rounded up); responses say so in x-envelope-token-count", Dialect::ALL.map(|d| d.name()).join(", "));
+                    return Ok(estimate);
                 }
             }
+        },
+    };
+    Ok(with_measured_chat(chosen, client, upstream).await)
+}
+
+/// `counter` with the chat template's tokens measured on the upstream,
+/// where the count applies no template (a local tokenizer, or an endpoint
+/// that takes text only); the local constants where it cannot be measured.
+async fn with_measured_chat(
+    counter: TokenCounter,
+    client: &UpstreamClient,
+    upstream: &str,
+) -> TokenCounter {
+    if matches!(&counter, TokenCounter::Upstream { dialect, .. } if dialect.takes_chats()) {
+        return counter;
+    }
+    let model = get_json(client, &format!("{upstream}/v1/models"))
+        .await
+        .and_then(|m| m.pointer("/data/0/id")?.as_str().map(str::to_string));
+    let measured = match &model {
+        Some(m) => upstream_tokenize::calibrate_chat(client, upstream, m, &counter).await,
+        None => None,
+    };
+    match measured {
+        Some(o) => {
+            tracing::info!("chat template: {} tokens per message plus {} ({} after a system message), measured on the upstream", o.per_message, o.fixed, o.fixed_with_system);
+            counter.with_chat_overhead(o)
         }
+        None => {
+            let o = ChatOverhead::default();
+            tracing::warn!("chat template not measured (the upstream did not answer a small chat with usage): counted as {} tokens per message plus {}", o.per_message, o.fixed);
+            counter
+        }
+    }
+}
+
+/// The tokenizer file the profile names (`server_checks.tokenizer` of its
+/// selected configuration), when it is here with the recorded SHA-256.
+fn profile_tokenizer(profile: &Profile) -> Option<TokenCounter> {
+    let t = profile.selected_checks()?.tokenizer.as_ref()?;
+    let path = Path::new(&t.path);
+    match envelope_telemetry::fingerprint::file_sha256(path) {
+        Ok(sha) if sha == t.sha256 => match TokenCounter::from_tokenizer_file(path) {
+            Ok(c) => {
+                tracing::info!(
+                    "counting prompt tokens with the tokenizer the profile names: {}",
+                    t.path
+                );
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!("the profile's tokenizer does not load: {e}");
+                None
+            }
+        },
+        Ok(_) => {
+            tracing::warn!(
+                "the profile's tokenizer {} has changed (SHA-256 differs); not used",
+                t.path
+            );
+            None
+        }
+        Err(_) => None,
     }
 }
 

@@ -59,6 +59,9 @@ fn read_profile(args: &GovernArgs, spec: &UpstreamSpec) -> Result<(Profile, Stri
     let shown = spec.profile.display().to_string();
     let mut text = crate::config::read("profile", &spec.profile)?;
     let profile = Profile::from_json(&text, &shown)?;
+    profile
+        .enforceable_limits()
+        .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?;
     if let Some(t) = &args.tenants {
         text.push_str(&crate::config::read("--tenants", t)?);
     }
@@ -111,6 +114,7 @@ async fn upstream(
         &client,
         &url,
         std::time::Duration::from_millis(settings.connect_timeout_ms),
+        &profile,
     )
     .await?;
     tracing::info!(upstream = %url, profile = %settings.profile_id, counter = ?counter, "{field}");

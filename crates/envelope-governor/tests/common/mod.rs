@@ -357,6 +357,8 @@ pub async fn start_until(
         client: envelope_governor::UpstreamClient::new(Duration::from_secs(5)),
         url: format!("{upstream}/tokenize"),
         timeout: Duration::from_secs(5),
+        dialect: envelope_governor::upstream_tokenize::Dialect::Vllm,
+        chat: Default::default(),
     });
     let state = Arc::new(AppState::new(gov.clone(), &upstream, counter));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
