@@ -119,11 +119,30 @@ impl Governor {
     /// `envelope govern` with `args` (besides a free loopback port and
     /// `--on-mismatch ignore`).
     pub fn launch(dir: &Path, args: &[&str]) -> Governor {
+        let mut all = args.to_vec();
+        all.extend(["--on-mismatch", "ignore"]);
+        Governor::launch_as_is(dir, &all)
+    }
+
+    /// `envelope govern --profile --upstream` and every other setting at
+    /// its default (mismatch handling included), as a new user starts it.
+    pub fn start_with_defaults(dir: &Path, profile: &Path, upstream: &str) -> Governor {
+        let args = [
+            "--profile",
+            profile.to_str().unwrap(),
+            "--upstream",
+            upstream,
+        ];
+        Governor::launch_as_is(dir, &args)
+    }
+
+    /// `envelope govern` with `args` and a free loopback port.
+    fn launch_as_is(dir: &Path, args: &[&str]) -> Governor {
         let log = dir.join("govern.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_envelope"))
             .arg("govern")
             .args(args)
-            .args(["--listen", "127.0.0.1:0", "--on-mismatch", "ignore"])
+            .args(["--listen", "127.0.0.1:0"])
             .env("ENVELOPE_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
