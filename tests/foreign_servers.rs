@@ -155,6 +155,15 @@ fn llama_cpp_python(dir: &Path) -> Foreign {
 /// `envelope sweep --config` of `toml` into `dir/out`: its exit status,
 /// the profile it wrote and its stderr.
 fn sweep(dir: &Path, toml: &str) -> (std::process::ExitStatus, Value, String) {
+    sweep_with_path(dir, toml, &std::env::var("PATH").unwrap_or_default())
+}
+
+/// [`sweep`] with `path` as the PATH its launched servers are found on.
+fn sweep_with_path(
+    dir: &Path,
+    toml: &str,
+    path: &str,
+) -> (std::process::ExitStatus, Value, String) {
     let cfg = dir.join("bench.toml");
     std::fs::write(&cfg, toml).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_envelope"))
@@ -163,6 +172,7 @@ fn sweep(dir: &Path, toml: &str) -> (std::process::ExitStatus, Value, String) {
         .arg("--out")
         .arg(dir.join("out"))
         .env("ENVELOPE_LOG", "warn")
+        .env("PATH", path)
         .output()
         .unwrap();
     let stderr =
@@ -220,6 +230,22 @@ fn english(tokens: u64, count: &dyn Fn(&str) -> u64) -> String {
     text
 }
 
+/// The server's own count of a text: `POST path` with `body`, answered
+/// with `{"tokens": [...]}` (llama.cpp) or `{"count"}` (llama-cpp-python).
+fn server_count(base: &str, path: &str, body: Value) -> u64 {
+    let v: Value = reqwest::blocking::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    v["count"]
+        .as_u64()
+        .or_else(|| v["tokens"].as_array().map(|t| t.len() as u64))
+        .unwrap_or_else(|| panic!("no count in {v}"))
+}
+
 /// The governor's count of a prompt against the server's own, for one
 /// completion and one chat of `text` (both must be admitted).
 fn counted_against_usage(g: &Governor, text: &str) -> Vec<(f64, f64)> {
@@ -264,6 +290,8 @@ struct Outcome {
     retry_after: bool,
     /// A 200 stream that ended with `[DONE]` after a finish reason.
     whole: bool,
+    /// Seconds from sending to the answer's end.
+    e2e_s: f64,
 }
 
 /// `clients` closed-loop clients (streaming or not) for `secs` against
@@ -283,6 +311,7 @@ fn overload(base: &str, clients: usize, secs: u64, prompt: &str, stream: bool) -
                 let mut out = vec![];
                 while Instant::now() < stop && out.len() < 500 {
                     let mut o = Outcome::default();
+                    let t0 = Instant::now();
                     match client
                         .post(format!("{base}/v1/completions"))
                         .json(&body)
@@ -316,6 +345,7 @@ fn overload(base: &str, clients: usize, secs: u64, prompt: &str, stream: bool) -
                             } else {
                                 let _ = r.bytes();
                             }
+                            o.e2e_s = t0.elapsed().as_secs_f64();
                             if let Some(w) = wait {
                                 std::thread::sleep(Duration::from_secs_f64(w.min(2.0)));
                             }
@@ -334,16 +364,30 @@ fn overload(base: &str, clients: usize, secs: u64, prompt: &str, stream: bool) -
         .collect()
 }
 
-fn tally(label: &str, outcomes: &[Outcome]) -> String {
+fn tally(label: &str, outcomes: &[Outcome], secs: u64) -> String {
     let n = outcomes.len();
     let whole = outcomes.iter().filter(|o| o.whole).count();
+    let mut e2e: Vec<f64> = outcomes
+        .iter()
+        .filter(|o| o.whole)
+        .map(|o| o.e2e_s)
+        .collect();
+    e2e.sort_by(f64::total_cmp);
+    let p = |q: f64| {
+        e2e.get(((e2e.len() as f64 * q) as usize).min(e2e.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0.0)
+    };
     let refused = outcomes.iter().filter(|o| o.status == 429).count();
     let other = n - outcomes
         .iter()
         .filter(|o| o.status == 200 || o.status == 429)
         .count();
     let line = format!(
-        "{label}: {n} requests, {whole} whole answers, {} answers not whole, {refused} refused (429), {other} other statuses",
+        "{label}: {n} requests, {whole} whole answers ({:.2}/s; e2e p50 {:.2} s, p95 {:.2} s), {} answers not whole, {refused} refused (429), {other} other statuses",
+        whole as f64 / secs as f64,
+        p(0.5),
+        p(0.95),
         outcomes.iter().filter(|o| o.status == 200 && !o.whole).count()
     );
     eprintln!("{line}");
@@ -352,8 +396,8 @@ fn tally(label: &str, outcomes: &[Outcome]) -> String {
 
 /// Every admitted answer whole, every refusal a 429 with Retry-After,
 /// nothing else.
-fn assert_governed(label: &str, outcomes: &[Outcome], g: &Governor) {
-    let line = tally(label, outcomes);
+fn assert_governed(label: &str, outcomes: &[Outcome], secs: u64, g: &Governor) {
+    let line = tally(label, outcomes, secs);
     assert!(outcomes.iter().any(|o| o.whole), "{line}");
     for o in outcomes {
         match o.status {
@@ -439,16 +483,7 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
     // English prompts that fit are admitted and counted within 5% of the
     // server's usage; one 10% over the context limit is a 400.
     let client = reqwest::blocking::Client::new();
-    let count = |t: &str| -> u64 {
-        let v: Value = client
-            .post(format!("{}/tokenize", server.base))
-            .json(&json!({"content": t}))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
-        v["tokens"].as_array().unwrap().len() as u64
-    };
+    let count = |t: &str| server_count(&server.base, "/tokenize", json!({"content": t}));
     let context = profile["limits"]["max_context_tokens"].as_u64().unwrap();
     for tokens in [40, context / 2] {
         for (counted, usage) in counted_against_usage(&g, &english(tokens, &count)) {
@@ -489,7 +524,7 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
         })
     };
     let direct = overload(&server.base, clients, 12, &prompt, true);
-    tally("llama-server direct, streaming", &direct);
+    tally("llama-server direct, streaming", &direct, 12);
     let seen = watch.join().unwrap();
     let most = |f: &dyn Fn(&envelope_telemetry::EngineState) -> Option<f64>| {
         seen.iter().filter_map(f).fold(0.0, f64::max)
@@ -503,7 +538,7 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
     assert!(most(&|s| s.generation_tokens_total) > 0.0, "{seen:?}");
     assert!(seen.iter().all(|s| s.kv_usage.is_none()));
     let governed = overload(&g.base, clients, 12, &prompt, true);
-    assert_governed("llama-server governed, streaming", &governed, &g);
+    assert_governed("llama-server governed, streaming", &governed, 12, &g);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let connections = |g: &Governor| {
         rt.block_on(async {
@@ -522,7 +557,7 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
     );
     // Whole answers keep their connection: over 90% of requests reuse one.
     let governed = overload(&g.base, clients, 8, &prompt, false);
-    assert_governed("llama-server governed, whole answers", &governed, &g);
+    assert_governed("llama-server governed, whole answers", &governed, 8, &g);
     let [kept, new, resent] = connections(&g);
     let (kept, new) = (kept - kept0, new - new0);
     eprintln!(
@@ -606,16 +641,7 @@ fn llama_cpp_python_defaults_from_sweep_to_governed_overload() {
     assert!(!log.contains("MISMATCH"), "{log}");
 
     let client = reqwest::blocking::Client::new();
-    let count = |t: &str| -> u64 {
-        let v: Value = client
-            .post(format!("{}/extras/tokenize/count", server.base))
-            .json(&json!({"input": t}))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
-        v["count"].as_u64().unwrap()
-    };
+    let count = |t: &str| server_count(&server.base, "/extras/tokenize/count", json!({"input": t}));
     for (counted, usage) in counted_against_usage(&g, &english(40, &count)) {
         assert!(
             (counted - usage).abs() <= 0.05 * usage,
@@ -632,9 +658,9 @@ fn llama_cpp_python_defaults_from_sweep_to_governed_overload() {
 
     let prompt = english(48, &count);
     let direct = overload(&server.base, 4, 10, &prompt, true);
-    tally("llama-cpp-python direct", &direct);
+    tally("llama-cpp-python direct", &direct, 10);
     let governed = overload(&g.base, 4, 10, &prompt, true);
-    assert_governed("llama-cpp-python governed", &governed, &g);
+    assert_governed("llama-cpp-python governed", &governed, 10, &g);
 }
 
 #[test]
@@ -652,21 +678,8 @@ fn llama_server_through_the_launch_template() {
     )
     .unwrap()
     .replace("models/SmolLM2-135M-Instruct.Q4_1.gguf", &smollm2());
-    std::fs::write(dir.join("bench.toml"), &cfg).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_envelope"))
-        .args(["sweep", "--config"])
-        .arg(dir.join("bench.toml"))
-        .arg("--out")
-        .arg(dir.join("out"))
-        .env("PATH", path)
-        .env("ENVELOPE_LOG", "warn")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let p: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("out/profile.json")).unwrap())
-            .unwrap();
+    let (status, p, err) = sweep_with_path(&dir, &cfg, &path);
+    assert!(status.success(), "{err}");
     let c = &p["configs"][0];
     assert!(c["error"].is_null(), "{c}");
     assert!(c["time_to_ready_s"].as_f64().unwrap() > 0.0);

@@ -57,6 +57,19 @@ max_client_gap_ms = 1000
 
 /// Runs `envelope sweep --json`; returns the per-probe lines and the profile.
 fn sweep(dir: &Path, config: &str) -> (Vec<Value>, Value) {
+    sweep_ending(dir, config, true)
+}
+
+/// As [`sweep`], for a sweep in which nothing is safe: it exits non-zero,
+/// and still writes its profile (`limits: null`, `no_safe_point` saying why).
+fn sweep_with_no_safe_point(dir: &Path, config: &str) -> (Vec<Value>, Value) {
+    let (probes, profile) = sweep_ending(dir, config, false);
+    assert!(profile["limits"].is_null(), "{profile}");
+    assert!(profile["no_safe_point"].is_string(), "{profile}");
+    (probes, profile)
+}
+
+fn sweep_ending(dir: &Path, config: &str, safe: bool) -> (Vec<Value>, Value) {
     let cfg = dir.join("bench.toml");
     std::fs::write(&cfg, config).unwrap();
     let out = Command::new(bin())
@@ -68,11 +81,14 @@ fn sweep(dir: &Path, config: &str) -> (Vec<Value>, Value) {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "sweep failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.success(), safe, "{stderr}\n{stdout}");
+    if !safe {
+        assert!(
+            stderr.contains("no configuration had a safe operating point"),
+            "{stderr}"
+        );
+    }
     let lines: Vec<Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
@@ -223,7 +239,8 @@ headroom = 0.25
     // A model name the server does not serve: the check before the sweep
     // fails the configuration with the server's answer; nothing is probed.
     let d = out_dir("wrong-model");
-    let (probes, profile) = sweep(&d, &cfg.replace("model = \"tiny\"", "model = \"nope\""));
+    let (probes, profile) =
+        sweep_with_no_safe_point(&d, &cfg.replace("model = \"tiny\"", "model = \"nope\""));
     assert_eq!(probes.len(), 0);
     let e = profile["configs"][0]["error"].as_str().unwrap();
     assert!(
@@ -258,7 +275,8 @@ e2e_p99_ms = 60000
 "#,
         bin()
     );
-    let (probes, profile) = sweep(&d, &cfg);
+    // It crashes under any load: no safe point, and the sweep says so.
+    let (probes, profile) = sweep_with_no_safe_point(&d, &cfg);
     let c = &profile["configs"][0];
     assert!(
         probes

@@ -197,16 +197,8 @@ impl HttpDriver {
         rec: &mut RequestRecord,
     ) -> Result<(), String> {
         let body = self.body(req);
-        let send = || self.client.post(&self.completions_url).json(&body).send();
-        // A kept-alive connection the server closed as this request went out
-        // (llama.cpp's server closes every connection after a streamed
-        // answer, though its headers say keep-alive) fails with no answer:
-        // sent once more, on a new connection. A timeout is not retried.
-        let resp = match send() {
-            Ok(r) => r,
-            Err(e) if !e.is_timeout() => send().map_err(|e| error(reason::REQUEST_FAILED, e))?,
-            Err(e) => return Err(error(reason::REQUEST_FAILED, e)),
-        };
+        let resp = send(|| self.client.post(&self.completions_url).json(&body))
+            .map_err(|e| error(reason::REQUEST_FAILED, e))?;
         let status = resp.status();
         rec.governed = resp
             .headers()
@@ -283,12 +275,8 @@ impl HttpDriver {
     /// The JSON a GET of `path` on the server answers; `None` for anything
     /// else (an error status, no answer within 10 s, not JSON).
     pub fn get_json(&self, path: &str) -> Option<serde_json::Value> {
-        let resp = self
-            .client
-            .get(format!("{}{path}", self.base_url))
-            .timeout(Duration::from_secs(10))
-            .send()
-            .ok()?;
+        let url = format!("{}{path}", self.base_url);
+        let resp = send(|| self.client.get(&url).timeout(Duration::from_secs(10))).ok()?;
         if !resp.status().is_success() {
             return None;
         }
@@ -298,16 +286,13 @@ impl HttpDriver {
     /// The server's `usage.prompt_tokens` for `text` sent as the prompt of a
     /// one-token, non-streaming completion.
     pub fn count_prompt(&self, text: &str) -> Result<u32, String> {
-        let resp = self
-            .client
-            .post(&self.completions_url)
-            .json(&serde_json::json!({
-                "model": self.model,
-                "prompt": text,
-                "max_tokens": 1,
-                "temperature": 0,
-            }))
-            .send()
+        let body = serde_json::json!({
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": 1,
+            "temperature": 0,
+        });
+        let resp = send(|| self.client.post(&self.completions_url).json(&body))
             .map_err(|e| e.to_string())?;
         let status = resp.status();
         let v: serde_json::Value = resp.json().map_err(|e| e.to_string())?;
@@ -327,15 +312,24 @@ impl HttpDriver {
 
     fn metrics(&self) -> Option<envelope_telemetry::EngineState> {
         let url = self.metrics_url.as_ref()?;
-        let text = self
-            .client
-            .get(url)
-            .timeout(Duration::from_secs(2))
-            .send()
+        let text = send(|| self.client.get(url).timeout(Duration::from_secs(2)))
             .ok()?
             .text()
             .ok()?;
         envelope_telemetry::engine_state::parse_engine_state(&text).ok()
+    }
+}
+
+/// Sends the request `build` makes; once more if it failed with no answer
+/// and no timeout: a kept-alive connection the server closed as the
+/// request went out (llama.cpp's server closes every connection after a
+/// streamed answer, though its headers say keep-alive).
+fn send(
+    build: impl Fn() -> reqwest::blocking::RequestBuilder,
+) -> reqwest::Result<reqwest::blocking::Response> {
+    match build().send() {
+        Err(e) if !e.is_timeout() => build().send(),
+        r => r,
     }
 }
 
