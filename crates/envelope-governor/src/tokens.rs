@@ -27,9 +27,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub const CHAT_OVERHEAD_PER_MESSAGE: u64 = 8;
-/// Tokens for the assistant turn's opening that the template appends.
-pub const CHAT_OVERHEAD_REPLY: u64 = 8;
+pub use crate::upstream_tokenize::{CHAT_OVERHEAD_PER_MESSAGE, CHAT_OVERHEAD_REPLY};
 /// Tokens a tokenizer may add around a prompt (BOS and the like).
 pub const SPECIAL_TOKENS_PER_PROMPT: u64 = 2;
 

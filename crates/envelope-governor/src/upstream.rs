@@ -4,10 +4,12 @@
 use crate::client::{Answer, UpstreamClient};
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
-use crate::upstream_tokenize::{self, ChatOverhead, Dialect};
+use crate::request::ChatText;
+use crate::upstream_tokenize::{joined_text, ChatOverhead, Dialect};
 use crate::{live, TokenCounter};
 use axum::http::{HeaderMap, Method};
 use envelope_profile::Profile;
+use serde_json::{json, Value};
 use std::path::Path;
 use std::time::Duration;
 
@@ -85,7 +87,7 @@ pub(crate) async fn pick_counter(
             return Ok(estimate);
         }
         TokenCount::Upstream => {
-            let dialect = upstream_tokenize::detect(client, upstream)
+            let dialect = detect_dialect(client, upstream)
                 .await
                 .unwrap_or(Dialect::Vllm);
             tracing::info!(
@@ -94,7 +96,7 @@ pub(crate) async fn pick_counter(
             );
             counter(dialect)
         }
-        TokenCount::Auto => match upstream_tokenize::detect(client, upstream).await {
+        TokenCount::Auto => match detect_dialect(client, upstream).await {
             Some(d) if d.safe_beside_streams() => {
                 tracing::info!("counting prompt tokens with the upstream's {}", d.name());
                 counter(d)
@@ -139,7 +141,7 @@ async fn with_measured_chat(
         .await
         .and_then(|m| m.pointer("/data/0/id")?.as_str().map(str::to_string));
     let measured = match &model {
-        Some(m) => upstream_tokenize::calibrate_chat(client, upstream, m, &counter).await,
+        Some(m) => calibrate_chat(client, upstream, m, &counter).await,
         None => None,
     };
     match measured {
@@ -153,6 +155,95 @@ async fn with_measured_chat(
             counter
         }
     }
+}
+
+/// The count of `text` from `base`'s endpoint in `dialect`; `None` on any
+/// failure.
+async fn dialect_count(
+    client: &UpstreamClient,
+    base: &str,
+    dialect: Dialect,
+    text: &str,
+) -> Option<u64> {
+    let url = format!("{base}{}", dialect.path());
+    let v = post(client, &url, &dialect.text_body(text)).await?;
+    dialect.count_in(&v)
+}
+
+/// The first dialect whose endpoint answers a probe text with a count of
+/// its shape.
+pub(crate) async fn detect_dialect(client: &UpstreamClient, base: &str) -> Option<Dialect> {
+    for d in Dialect::ALL {
+        if dialect_count(client, base, d, "probe")
+            .await
+            .is_some_and(|n| n > 0)
+        {
+            return Some(d);
+        }
+    }
+    None
+}
+
+/// The JSON a 2xx answer to a POST of `body` to `url` holds, within
+/// [`CHECK_TIMEOUT`].
+async fn post(client: &UpstreamClient, url: &str, body: &Value) -> Option<Value> {
+    let call = async {
+        let r = client.post_json(url, body).await.ok()?;
+        if !r.status().is_success() {
+            return None;
+        }
+        let bytes = r.bytes().await.ok()?;
+        serde_json::from_slice::<Value>(&bytes).ok()
+    };
+    tokio::time::timeout(CHECK_TIMEOUT, call)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Measures the chat template's overhead on `base`: three small chats sent
+/// to `/v1/chat/completions` (one output token each), their
+/// `usage.prompt_tokens` less `counter`'s count of their joined text.
+/// `None` when the server does not answer them with usage.
+async fn calibrate_chat(
+    client: &UpstreamClient,
+    base: &str,
+    model: &str,
+    counter: &crate::TokenCounter,
+) -> Option<ChatOverhead> {
+    let word = "hello";
+    let chat = |roles: &[&str]| ChatText {
+        messages: roles
+            .iter()
+            .map(|r| (r.to_string(), word.to_string()))
+            .collect(),
+        media: Default::default(),
+    };
+    // (template tokens) = usage - count(joined text), for each chat.
+    let mut overhead = vec![];
+    for roles in [
+        &["user"][..],
+        &["user", "assistant", "user"][..],
+        &["system", "user"][..],
+    ] {
+        let c = chat(roles);
+        let body = json!({
+            "model": model,
+            "messages": c.as_messages(),
+            "max_tokens": 1,
+            "temperature": 0,
+        });
+        let answer = post(client, &format!("{base}/v1/chat/completions"), &body).await?;
+        let usage = answer.pointer("/usage/prompt_tokens")?.as_u64()?;
+        let text = counter.count_text(&joined_text(&c)).await?;
+        overhead.push(usage as i64 - text as i64);
+    }
+    let per_message = ((overhead[1] - overhead[0]) / 2).max(0);
+    Some(ChatOverhead {
+        fixed: (overhead[0] - per_message).max(0) as u64,
+        fixed_with_system: (overhead[2] - 2 * per_message).max(0) as u64,
+        per_message: per_message as u64,
+    })
 }
 
 /// The tokenizer file the profile names (`server_checks.tokenizer` of its

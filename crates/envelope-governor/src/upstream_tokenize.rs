@@ -1,5 +1,6 @@
 //! An upstream's tokenize endpoint, in its own dialect: which servers have
-//! which (found at start by [`detect`]), the body each takes for a text,
+//! which (found at start by `upstream::detect_dialect`), the body each
+//! takes for a text,
 //! and where its answer holds the count.
 //!
 //! | server | call | answer |
@@ -11,7 +12,7 @@
 //!
 //! Only vLLM's applies a chat template. For the others a chat is counted
 //! as its messages' text (one call, the texts joined by newlines) plus a
-//! template overhead ([`ChatOverhead`]) that [`calibrate_chat`] measures
+//! template overhead ([`ChatOverhead`]) that `upstream::calibrate_chat` measures
 //! at start from the server's own `usage.prompt_tokens` for three small
 //! chats, so a template that adds a default system prompt is counted (a
 //! local tokenizer's count gets the same).
@@ -21,9 +22,13 @@
 //! (a tokenize call included) ends that stream early, so counting there
 //! would cut the answers being governed.
 
-use crate::client::UpstreamClient;
 use crate::request::ChatText;
 use serde_json::{json, Value};
+
+/// Tokens a chat template adds per message, where nothing better is known.
+pub const CHAT_OVERHEAD_PER_MESSAGE: u64 = 8;
+/// Tokens for the assistant turn's opening that the template appends.
+pub const CHAT_OVERHEAD_REPLY: u64 = 8;
 
 /// Which tokenize endpoint an upstream has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,9 +113,9 @@ impl Default for ChatOverhead {
     /// Llama-3 templates without a default system prompt).
     fn default() -> Self {
         ChatOverhead {
-            fixed: crate::tokens::CHAT_OVERHEAD_REPLY,
-            fixed_with_system: crate::tokens::CHAT_OVERHEAD_REPLY,
-            per_message: crate::tokens::CHAT_OVERHEAD_PER_MESSAGE,
+            fixed: CHAT_OVERHEAD_REPLY,
+            fixed_with_system: CHAT_OVERHEAD_REPLY,
+            per_message: CHAT_OVERHEAD_PER_MESSAGE,
         }
     }
 }
@@ -135,93 +140,6 @@ pub fn joined_text(chat: &ChatText) -> String {
         .map(|(_, t)| t.as_str())
         .collect::<Vec<_>>()
         .join("\n")
-}
-
-/// The count of `text` from `base`'s endpoint in `dialect`; `None` on any
-/// failure.
-pub async fn count_text(
-    client: &UpstreamClient,
-    base: &str,
-    dialect: Dialect,
-    text: &str,
-) -> Option<u64> {
-    let url = format!("{base}{}", dialect.path());
-    let v = post(client, &url, &dialect.text_body(text)).await?;
-    dialect.count_in(&v)
-}
-
-/// The first dialect whose endpoint answers a probe text with a count of
-/// its shape.
-pub async fn detect(client: &UpstreamClient, base: &str) -> Option<Dialect> {
-    for d in Dialect::ALL {
-        if count_text(client, base, d, "probe")
-            .await
-            .is_some_and(|n| n > 0)
-        {
-            return Some(d);
-        }
-    }
-    None
-}
-
-async fn post(client: &UpstreamClient, url: &str, body: &Value) -> Option<Value> {
-    let call = async {
-        let r = client.post_json(url, body).await.ok()?;
-        if !r.status().is_success() {
-            return None;
-        }
-        let bytes = r.bytes().await.ok()?;
-        serde_json::from_slice::<Value>(&bytes).ok()
-    };
-    tokio::time::timeout(crate::upstream::CHECK_TIMEOUT, call)
-        .await
-        .ok()
-        .flatten()
-}
-
-/// Measures the chat template's overhead on `base`: three small chats sent
-/// to `/v1/chat/completions` (one output token each), their
-/// `usage.prompt_tokens` less `counter`'s count of their joined text.
-/// `None` when the server does not answer them with usage.
-pub async fn calibrate_chat(
-    client: &UpstreamClient,
-    base: &str,
-    model: &str,
-    counter: &crate::TokenCounter,
-) -> Option<ChatOverhead> {
-    let word = "hello";
-    let chat = |roles: &[&str]| ChatText {
-        messages: roles
-            .iter()
-            .map(|r| (r.to_string(), word.to_string()))
-            .collect(),
-        media: Default::default(),
-    };
-    // (template tokens) = usage - count(joined text), for each chat.
-    let mut overhead = vec![];
-    for roles in [
-        &["user"][..],
-        &["user", "assistant", "user"][..],
-        &["system", "user"][..],
-    ] {
-        let c = chat(roles);
-        let body = json!({
-            "model": model,
-            "messages": c.as_messages(),
-            "max_tokens": 1,
-            "temperature": 0,
-        });
-        let answer = post(client, &format!("{base}/v1/chat/completions"), &body).await?;
-        let usage = answer.pointer("/usage/prompt_tokens")?.as_u64()?;
-        let text = counter.count_text(&joined_text(&c)).await?;
-        overhead.push(usage as i64 - text as i64);
-    }
-    let per_message = ((overhead[1] - overhead[0]) / 2).max(0);
-    Some(ChatOverhead {
-        fixed: (overhead[0] - per_message).max(0) as u64,
-        fixed_with_system: (overhead[2] - 2 * per_message).max(0) as u64,
-        per_message: per_message as u64,
-    })
 }
 
 #[cfg(test)]
