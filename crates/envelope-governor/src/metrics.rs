@@ -69,8 +69,11 @@ pub struct Metrics {
     pub token_counts: WordCounters,
     pub output_decisions: WordCounters,
     pub upstream_errors: Family<Labels, Counter>,
-    /// How requests found their upstream connection (kept, new, resent).
-    pub upstream_connections: crate::client::ConnectionCounters,
+    /// Requests sent upstream on a kept connection, on a new one, and
+    /// sent again after a kept one closed under them unanswered.
+    pub upstream_kept_connections: Counter,
+    pub upstream_new_connections: Counter,
+    pub upstream_resent: Counter,
     pub reserved_tokens_settled: Counter,
     pub used_tokens_settled: Counter,
     pub reloads: Family<Labels, Counter>,
@@ -89,6 +92,15 @@ pub fn label(k: &str, v: &str) -> Labels {
 }
 
 impl Metrics {
+    /// The counters an upstream client bumps (shared with these metrics).
+    pub fn connection_counters(&self) -> crate::client::ConnectionCounters {
+        crate::client::ConnectionCounters {
+            reused: self.upstream_kept_connections.clone(),
+            opened: self.upstream_new_connections.clone(),
+            resent: self.upstream_resent.clone(),
+        }
+    }
+
     pub fn new() -> Metrics {
         let mut m = Metrics {
             registry: Registry::default(),
@@ -113,7 +125,9 @@ impl Metrics {
             token_counts: WordCounters::new("source"),
             output_decisions: WordCounters::new("decision"),
             upstream_errors: Family::default(),
-            upstream_connections: Default::default(),
+            upstream_kept_connections: Counter::default(),
+            upstream_new_connections: Counter::default(),
+            upstream_resent: Counter::default(),
             reserved_tokens_settled: Counter::default(),
             used_tokens_settled: Counter::default(),
             reloads: Family::default(),
@@ -242,17 +256,17 @@ impl Metrics {
         reg!(
             "envelope_governor_upstream_requests_on_kept_connections",
             "Requests sent to the upstream on a kept-alive connection",
-            m.upstream_connections.reused
+            m.upstream_kept_connections
         );
         reg!(
             "envelope_governor_upstream_requests_on_new_connections",
             "Requests sent to the upstream on a new connection",
-            m.upstream_connections.opened
+            m.upstream_new_connections
         );
         reg!(
             "envelope_governor_upstream_resent",
             "Requests sent again on a new connection after a kept one closed with no answer",
-            m.upstream_connections.resent
+            m.upstream_resent
         );
         reg!(
             "envelope_governor_reserved_tokens_settled",

@@ -75,7 +75,7 @@ impl AppState {
         AppState {
             client: UpstreamClient::counted(
                 Duration::from_millis(s.connect_timeout_ms),
-                gov.metrics.upstream_connections.clone(),
+                gov.metrics.connection_counters(),
             ),
             counting: Arc::new(tokio::sync::Semaphore::new(s.max_counting)),
             gov,
