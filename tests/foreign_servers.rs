@@ -283,6 +283,24 @@ fn counted_against_usage(g: &Governor, text: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// The governor's estimate of a completion's prompt against the server's
+/// own count.
+fn counted_against_usage_estimated(g: &Governor, text: &str) -> (f64, f64) {
+    let r = reqwest::blocking::Client::new()
+        .post(g.url("/v1/completions"))
+        .json(&json!({"model": "smollm2", "prompt": text, "max_tokens": 2}))
+        .send()
+        .unwrap();
+    assert_eq!(r.headers()["x-envelope-token-count"], "estimate");
+    let counted: f64 = r.headers()["x-envelope-prompt-tokens"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let v: Value = r.json().unwrap();
+    (counted, v["usage"]["prompt_tokens"].as_f64().unwrap())
+}
+
 /// What one request of the overload loop got.
 #[derive(Debug, Default)]
 struct Outcome {
@@ -661,6 +679,35 @@ fn llama_cpp_python_defaults_from_sweep_to_governed_overload() {
     tally("llama-cpp-python direct", &direct, 10);
     let governed = overload(&g.base, 4, 10, &prompt, true);
     assert_governed("llama-cpp-python governed", &governed, 10, &g);
+
+    drop(g);
+
+    // Without the tokenizer file (moved, or another machine), the estimate
+    // starts from the profile's bytes per token and learns the server's
+    // own count from its usage.
+    let mut moved = profile.clone();
+    moved["configs"][0]["server_checks"]["tokenizer"]["path"] = json!("/nonexistent/model.gguf");
+    let edir = dir.join("estimate");
+    std::fs::create_dir_all(&edir).unwrap();
+    std::fs::write(edir.join("profile.json"), moved.to_string()).unwrap();
+    let g = Governor::start_with_defaults(&edir, &edir.join("profile.json"), &server.base);
+    let log = g.log();
+    assert!(log.contains("learnt from the upstream's usage"), "{log}");
+    let text = english(70, &count);
+    for _ in 0..envelope_governor::learnt_estimate::MIN_SAMPLES {
+        let r = client
+            .post(g.url("/v1/completions"))
+            .json(&json!({"model": "smollm2", "prompt": text, "max_tokens": 2}))
+            .send()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        r.bytes().unwrap();
+    }
+    let (counted, usage) = counted_against_usage_estimated(&g, &text);
+    assert!(
+        counted >= usage && counted - usage <= 0.05 * usage,
+        "learnt: counted {counted}, the server's usage {usage}"
+    );
 }
 
 #[test]

@@ -21,6 +21,7 @@ pub mod estimate;
 pub mod identity;
 pub mod ladder;
 pub mod latency;
+pub mod learnt_estimate;
 pub mod ledger;
 pub mod live;
 pub mod metrics;

@@ -20,7 +20,7 @@ use crate::client::{Answer, UpstreamClient};
 use crate::error::GovernError;
 use crate::identity::{self, Identity};
 use crate::policy;
-use crate::request::{self, Endpoint, OutputDecision, ParsedRequest};
+use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
 use crate::settings::{path_allowed, Settings};
 use crate::tokens::{CountSource, TokenCounter};
 use axum::body::{Body, Bytes};
@@ -685,14 +685,35 @@ async fn handle(
         }
     };
     let extra = placed_headers(&placed);
-    Ok(flow::stream_back(
+    let learn = learn_from_usage(s, &placed, &inc.parsed);
+    Ok(flow::stream_back_with(
         s,
         resp,
         Some(placed.permit),
         Some(sent_at),
         inc.end,
         extra,
+        learn,
     ))
+}
+
+/// For a text prompt counted by the learnt estimate: feeds the answer's
+/// `usage.prompt_tokens` back into it when the answer ends whole.
+fn learn_from_usage(s: &AppState, placed: &Placed, parsed: &ParsedRequest) -> Option<OnEnd> {
+    let TokenCounter::Learnt(e) = &s.counter else {
+        return None;
+    };
+    let one_text = matches!(&parsed.prompts, Prompts::Texts(v) if v.len() == 1)
+        || matches!(parsed.prompts, Prompts::Messages(_));
+    if placed.source != CountSource::Estimate || !one_text {
+        return None;
+    }
+    let (e, bytes) = (e.clone(), crate::tokens::prompt_bytes(&parsed.prompts));
+    Some(Box::new(move |end: StreamEnd| {
+        if let (true, Some(tokens)) = (end.whole, end.prompt_tokens) {
+            e.observe(bytes, tokens);
+        }
+    }))
 }
 
 #[cfg(test)]

@@ -51,6 +51,9 @@ pub enum TokenCounter {
     Estimate {
         bytes_per_token: f64,
     },
+    /// The estimate with bytes per token learnt from the upstream's own
+    /// counts ([`crate::learnt_estimate`]).
+    Learnt(Arc<crate::learnt_estimate::LearntEstimate>),
 }
 
 /// Where a count came from (a header value and a metrics label).
@@ -82,6 +85,9 @@ impl std::fmt::Debug for TokenCounter {
             }
             TokenCounter::Estimate { bytes_per_token } => {
                 write!(f, "Estimate({bytes_per_token} bytes/token)")
+            }
+            TokenCounter::Learnt(e) => {
+                write!(f, "Estimate({} bytes/token, learnt)", e.bytes_per_token())
             }
         }
     }
@@ -125,7 +131,9 @@ pub fn estimate(req: &ParsedRequest, bytes_per_token: f64) -> Vec<u64> {
 /// Prompts up to this many bytes are encoded on the async thread.
 pub const INLINE_ENCODE_BYTES: usize = 4096;
 
-fn prompt_bytes(p: &Prompts) -> usize {
+/// The bytes of a prompt's text (its messages' text for a chat; 0 for
+/// token ids).
+pub fn prompt_bytes(p: &Prompts) -> usize {
     match p {
         Prompts::Texts(v) => v.iter().map(String::len).sum(),
         Prompts::Messages(c) => c.messages.iter().map(|(_, t)| t.len()).sum(),
@@ -205,6 +213,9 @@ impl TokenCounter {
             TokenCounter::Estimate { bytes_per_token } => {
                 Ok((estimate(req, *bytes_per_token), CountSource::Estimate))
             }
+            TokenCounter::Learnt(e) => {
+                Ok((estimate(req, e.bytes_per_token()), CountSource::Estimate))
+            }
             TokenCounter::Tokenizer { tokenizer, chat } => {
                 let (t, chat) = (tokenizer.clone(), *chat);
                 let prompts = req.prompts.clone();
@@ -281,6 +292,9 @@ impl TokenCounter {
         match self {
             TokenCounter::Estimate { bytes_per_token } => {
                 Some((estimate(req, *bytes_per_token), CountSource::Estimate))
+            }
+            TokenCounter::Learnt(e) => {
+                Some((estimate(req, e.bytes_per_token()), CountSource::Estimate))
             }
             TokenCounter::Tokenizer { tokenizer, chat }
                 if prompt_bytes(&req.prompts) <= INLINE_ENCODE_BYTES =>

@@ -117,8 +117,18 @@ pub(crate) async fn pick_counter(
                     tracing::warn!("{upstream} is not reachable yet; counting with its vLLM-style /tokenize once it is");
                     return Ok(counter(Dialect::Vllm));
                 } else {
-                    tracing::warn!("no --tokenizer, no tokenize endpoint on {upstream} to use (tried: {}), and no tokenizer file from the profile here: prompt tokens are ESTIMATED (bytes / {bytes_per_token}, rounded up); responses say so in x-envelope-token-count", Dialect::ALL.map(|d| d.name()).join(", "));
-                    return Ok(estimate);
+                    let tried = Dialect::ALL.map(|d| d.name()).join(", ");
+                    if args.estimate_bytes_per_token.is_some() {
+                        tracing::warn!("no --tokenizer, no tokenize endpoint on {upstream} to use (tried: {tried}), and no tokenizer file from the profile here: prompt tokens are ESTIMATED (bytes / {bytes_per_token}, rounded up; --estimate-bytes-per-token); responses say so in x-envelope-token-count");
+                        return Ok(estimate);
+                    }
+                    let start = profile
+                        .selected_checks()
+                        .and_then(|c| c.text_bytes_per_token)
+                        .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN);
+                    let learnt = crate::learnt_estimate::LearntEstimate::new(start);
+                    tracing::warn!("no --tokenizer, no tokenize endpoint on {upstream} to use (tried: {tried}), and no tokenizer file from the profile here: prompt tokens are ESTIMATED, from {:.2} bytes per token (the profile's English text, else the 1-byte bound), then learnt from the upstream's usage (the 5th percentile of the last {} answers, at least 1); responses say so in x-envelope-token-count", learnt.bytes_per_token(), crate::learnt_estimate::WINDOW);
+                    return Ok(TokenCounter::Learnt(std::sync::Arc::new(learnt)));
                 }
             }
         },

@@ -502,3 +502,45 @@ async fn client_disconnect_while_queued_frees_the_slot() {
     assert_eq!(st["in_flight"]["kv_tokens"], 0);
     assert_eq!(g.fake.requests.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_estimate_learns_bytes_per_token_from_the_upstreams_usage() {
+    use envelope_governor::learnt_estimate::{LearntEstimate, MIN_SAMPLES};
+    // It starts from 4 bytes a token (as a profile's English text might
+    // say); the fake upstream counts one token a byte.
+    let (fake, upstream) = fake_upstream().await;
+    let learnt = std::sync::Arc::new(LearntEstimate::new(4.0));
+    let counter = envelope_governor::TokenCounter::Learnt(learnt.clone());
+    let g = start_with(
+        fake,
+        upstream,
+        limits(4000, 100, 4, 40000),
+        |_| {},
+        Some(counter),
+    )
+    .await;
+    let prompt = "word ".repeat(80);
+    let counted = |r: &reqwest::Response| -> u64 {
+        assert_eq!(r.headers()["x-envelope-token-count"], "estimate");
+        r.headers()["x-envelope-prompt-tokens"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let body = json!({"prompt": prompt, "max_tokens": 4});
+    let r = g.post("/v1/completions", body.clone()).await;
+    assert_eq!(counted(&r), 100 + 2);
+    r.bytes().await.unwrap();
+    for _ in 1..MIN_SAMPLES {
+        g.post("/v1/completions", body.clone())
+            .await
+            .bytes()
+            .await
+            .unwrap();
+    }
+    // After enough whole answers, the upstream's own count is followed.
+    let r = g.post("/v1/completions", body.clone()).await;
+    assert_eq!(counted(&r), 400 + 2);
+    assert_eq!(learnt.bytes_per_token(), 1.0);
+}
