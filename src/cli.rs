@@ -210,16 +210,6 @@ pub struct EngineArgs {
     /// is then a fraction of the GPU's free memory after the weights.
     #[arg(long, env = "ENVELOPE_DEVICE", default_value = "cpu")]
     pub device: envelope_cuda::DeviceSetting,
-    /// Test aid: every step also sleeps this many ms per sequence it
-    /// computes, so the server acts like a slower, compute-bound device
-    /// (the governor's latency-guard tests). 0 (default) in real use.
-    #[arg(
-        long,
-        env = "ENVELOPE_SLOW_STEP_MS_PER_SEQ",
-        default_value_t = 0,
-        hide = true
-    )]
-    pub slow_step_ms_per_seq: u64,
 }
 
 impl EngineArgs {
@@ -257,7 +247,6 @@ impl EngineArgs {
                 static_batch_wait_ms: self.static_batch_wait_ms,
             },
             max_model_len: self.max_model_len,
-            slow_step_ms_per_seq: self.slow_step_ms_per_seq,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Governor, Server};
+use common::{Governor, Server, SlowServer};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -230,6 +230,7 @@ fn p95(mut v: Vec<f64>) -> f64 {
 
 /// 1024 tokens of f32 KV for dummy:tiny (512 bytes a token).
 const KV_POOL: &str = "512KiB";
+const KV_POOL_BYTES: usize = 512 << 10;
 
 /// Short requests reach the concurrency measured for their bucket (not the
 /// long bucket's), a 50/50 mix stays inside the envelope, and the server
@@ -384,16 +385,7 @@ async fn an_upstream_without_metrics_is_served() {
 /// 429 with Retry-After.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_latency_guard_holds_a_slow_upstream_to_the_slos() {
-    let server = Server::start(&[
-        "--model",
-        "dummy:tiny",
-        "--kv-cache-bytes",
-        KV_POOL,
-        "--max-num-seqs",
-        "64",
-        "--slow-step-ms-per-seq",
-        "8",
-    ]);
+    let server = SlowServer::start(KV_POOL_BYTES, 64, 8).await;
     let dir = temp_dir("slow");
     // Measured "fast": short requests safe at 12. Here 12 in flight make
     // every step ~96 ms, 5 make ~40 ms.
@@ -459,14 +451,7 @@ async fn the_latency_guard_holds_a_slow_upstream_to_the_slos() {
 async fn ladder_tightening_from_a_real_servers_kv_answers_429() {
     // 64 blocks of 16 tokens; each step sleeps 100 ms, so the long request
     // below holds its blocks for seconds on any machine.
-    let server = Server::start(&[
-        "--model",
-        "dummy:tiny",
-        "--kv-cache-bytes",
-        KV_POOL,
-        "--slow-step-ms-per-seq",
-        "100",
-    ]);
+    let server = SlowServer::start(KV_POOL_BYTES, 64, 100).await;
     let dir = temp_dir("ladder");
     let p = profile(&[(48, 16, 4, 50.0), (200, 56, 2, 80.0)], 1000, no_slo());
     let gov = govern(&dir, &p, &server.base, &["--guard-interval-ms", "100"]);

@@ -401,3 +401,30 @@ async fn a_client_that_disconnects_frees_its_sequence_and_blocks() {
         assert_eq!(s.metric("envelope:kv_cache_usage_perc").await, 0.0);
     }
 }
+
+/// The server has no switch that slows it: a flag or variable that did
+/// would slow a production server wherever it leaked into the environment.
+/// (Tests that need a slow server wrap the step runner in process.)
+#[test]
+fn serve_refuses_a_slow_step_flag_and_ignores_the_old_variable() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args(["serve", "--model", "dummy:tiny", "--port", "0"])
+        .args(["--slow-step-ms-per-seq", "8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unexpected argument '--slow-step-ms-per-seq'"),
+        "{err}"
+    );
+    // Nothing reads the old variable: `--help` does not name it.
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args(["serve", "--help"])
+        .env("ENVELOPE_SLOW_STEP_MS_PER_SEQ", "100")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--max-num-seqs"), "{help}");
+    assert!(!help.to_lowercase().contains("slow"), "{help}");
+}

@@ -95,6 +95,66 @@ impl Drop for Server {
     }
 }
 
+/// `envelope serve`'s app in this process on a free loopback port, on
+/// `dummy:tiny` with a KV pool of `kv_bytes`, whose every step also sleeps
+/// `ms_per_seq` ms per sequence it computes: a slower, compute-bound
+/// server (latency grows with the batch). The server has no such switch;
+/// the step runner is wrapped here, as a test of a slow device would.
+pub struct SlowServer {
+    pub base: String,
+    handle: envelope_engine::engine::EngineHandle,
+    task: tokio::task::JoinHandle<()>,
+}
+
+struct SleepingSteps {
+    inner: Box<dyn envelope_engine::engine::StepRunner>,
+    ms_per_seq: u64,
+}
+
+impl envelope_engine::engine::StepRunner for SleepingSteps {
+    fn forward(
+        &mut self,
+        chunks: &[envelope_engine::model::SeqChunk],
+    ) -> envelope_engine::Result<Vec<Vec<f32>>> {
+        std::thread::sleep(Duration::from_millis(self.ms_per_seq * chunks.len() as u64));
+        self.inner.forward(chunks)
+    }
+}
+
+impl SlowServer {
+    pub async fn start(kv_bytes: usize, max_num_seqs: usize, ms_per_seq: u64) -> SlowServer {
+        use envelope_engine::engine::{Engine, EngineHandle};
+        use envelope_engine::settings::{EngineConfig, KvBudget, Placement};
+        let opts = envelope_engine::LoadOptions {
+            precision: envelope_engine::Precision::F32,
+            tokenizer: None,
+        };
+        let mut cfg = EngineConfig {
+            kv_budget: KvBudget::Bytes(kv_bytes),
+            ..EngineConfig::default()
+        };
+        cfg.scheduler.max_num_seqs = max_num_seqs;
+        let (engine, template) = Engine::load("dummy:tiny", &opts, Placement::Cpu, &cfg).unwrap();
+        let engine = engine.wrap_runner(|inner| Box::new(SleepingSteps { inner, ms_per_seq }));
+        let handle = EngineHandle::spawn_engine(engine, template).unwrap();
+        let name = handle.info.model.name.clone();
+        let state = envelope_server::AppState::new(handle.clone(), name);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, envelope_server::app(state)).await;
+        });
+        SlowServer { base, handle, task }
+    }
+}
+
+impl Drop for SlowServer {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.handle.shutdown();
+    }
+}
+
 /// `envelope govern` on a free loopback port in front of `upstream`, its
 /// stderr kept in `dir/govern.log` (start-up lines, warnings); stopped on
 /// drop.

@@ -123,7 +123,6 @@ fn engine_config(kv_dtype: KvDtype, kv_bytes: usize) -> EngineConfig {
         block_size: 16,
         scheduler: SchedulerConfig::default(),
         max_model_len: None,
-        slow_step_ms_per_seq: 0,
     }
 }
 

@@ -6,7 +6,7 @@
 use crate::chat::ChatTemplate;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{KvGeometry, KvPool};
-use crate::load::{LoadedModel, ModelInfo};
+use crate::load::ModelInfo;
 use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
 use crate::sampling::{DevicePick, Sampler, SamplingParams};
@@ -16,9 +16,9 @@ use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
 
 mod guard;
 mod handle;
@@ -164,7 +164,6 @@ pub struct Engine {
     pub info: EngineInfo,
     pub metrics: Arc<EngineMetrics>,
     step: u64,
-    slow_step_ms_per_seq: u64,
     /// The sequences in the step being run: what a panic in it fails
     /// ([`Engine::step_guarded`]).
     stepping: Vec<SeqId>,
@@ -330,7 +329,6 @@ impl Engine {
             info,
             metrics,
             step: 0,
-            slow_step_ms_per_seq: cfg.slow_step_ms_per_seq,
             stepping: Vec::new(),
         }
     }
@@ -441,10 +439,6 @@ impl Engine {
         self.stepping.clear();
         let plan: Plan = self.scheduler.schedule();
         self.stepping.extend(plan.work.iter().map(|w| w.id));
-        if self.slow_step_ms_per_seq > 0 && !plan.work.is_empty() {
-            let ms = self.slow_step_ms_per_seq * plan.work.len() as u64;
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-        }
         for id in &plan.preempted {
             if let Some(s) = self.seqs.get_mut(id) {
                 s.preemptions += 1;

@@ -21,10 +21,6 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Longest sequence (prompt + output) accepted; defaults to the model's context.
     pub max_model_len: Option<usize>,
-    /// Test aid: each step also sleeps this many ms per sequence it
-    /// computes, so the engine acts like a slower, compute-bound device
-    /// (latency grows with the batch). 0 in real use.
-    pub slow_step_ms_per_seq: u64,
 }
 
 impl Default for EngineConfig {
@@ -35,7 +31,6 @@ impl Default for EngineConfig {
             block_size: 16,
             scheduler: SchedulerConfig::default(),
             max_model_len: None,
-            slow_step_ms_per_seq: 0,
         }
     }
 }

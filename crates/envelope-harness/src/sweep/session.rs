@@ -80,7 +80,6 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
             ..SchedulerConfig::default()
         },
         max_model_len: None,
-        slow_step_ms_per_seq: 0,
     };
     let opts = LoadOptions {
         precision: e.precision,
