@@ -342,6 +342,17 @@ def check_dockerfile(path, ctx):
         return
     if ep[-1:] != [["envelope"]]:
         F.add(file, "ENTRYPOINT", "expected [\"envelope\"]")
+    # The build uses the project's compiler flags: .cargo/ is copied in
+    # before cargo builds, and the ignore file does not leave it out.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    if os.path.exists(os.path.join(root, ".cargo", "config.toml")):
+        copy = next((i for i, l in enumerate(lines) if re.match(r"COPY\s+\.cargo/?\s", l)), None)
+        build = next((i for i, l in enumerate(lines) if l.startswith("RUN") and "cargo build" in l), None)
+        if copy is None or build is None or copy > build:
+            F.add(file, "COPY .cargo", "the build stage must copy .cargo/ (the project's rustflags) before `cargo build`")
+        ignore = path + ".dockerignore"
+        if os.path.exists(ignore) and any(l.strip().rstrip("/") in (".cargo", "**/.cargo") for l in read(ignore).splitlines()):
+            F.add(rel(ignore), ".cargo", "leaves out .cargo/, the project's compiler flags")
     if not cmd:
         return
     args = cmd[-1]
@@ -465,7 +476,7 @@ def main():
         for _, c in all_containers(spec):
             if role(c) != "governor":
                 continue
-            own, passed = governor_get_paths(c.get("args") or [])
+            own, passed, public = governor_get_paths(c.get("args") or [])
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 p = ((c.get(probe) or {}).get("httpGet") or {}).get("path")
                 w = f"{o['kind']}/{o['metadata']['name']} containers.{c['name']}.{probe}.httpGet.path"
@@ -473,6 +484,8 @@ def main():
                     F.add(file, w, f"{p} answers loopback or the admin token only, not the kubelet")
                 elif p and p not in own and not allowed(p, passed):
                     F.add(file, w, f"{p} is neither the governor's own ({', '.join(sorted(own))}) nor passed through ({', '.join(passed)})")
+                elif p and not allowed(p, public):
+                    F.add(file, w, f"{p} needs an API key once the tenants file lists any, and the kubelet sends none: add it to --public-paths ({', '.join(public)})")
 
     # ConfigMap keys the containers read: the bench config and tenants file fields too.
     for file, where, names, key, *what in ctx["wanted_keys"]:

@@ -304,24 +304,30 @@ def flag_value(args, flag):
     return None
 
 
+def default_list(fn_name, flag, args):
+    """A governor path list: the flag's value, else the default in settings.rs."""
+    given = flag_value(args, flag)
+    if given is not None:
+        return given.split(",")
+    text = read(os.path.join(GOVERNOR_SRC, "settings.rs"))
+    m = re.search(r"fn " + fn_name + r"\(", text)
+    return re.findall(r'"([^"]+)"', rust_block(text, m.start())) if m else []
+
+
 def governor_get_paths(args):
-    """GET paths the governor answers itself, and the ones it passes through."""
+    """GET paths the governor answers itself, the ones it passes through,
+    and the ones answered without an API key."""
     own = set()
     text = read(os.path.join(GOVERNOR_SRC, "proxy.rs"))
     app = re.search(r"pub fn app\(", text)
     for path, method in re.findall(r'\.route\(\s*"([^"]+)"\s*,\s*(\w+)\(', rust_block(text, app.start()) if app else ""):
         if method == "get":
             own.add(path)
-    given = flag_value(args, "--passthrough-paths")
-    if given is not None:
-        passed = given.split(",")
-    else:
-        text = read(os.path.join(GOVERNOR_SRC, "settings.rs"))
-        m = re.search(r"fn default_passthrough_paths\(", text)
-        passed = re.findall(r'"([^"]+)"', rust_block(text, m.start())) if m else []
-    if not own or not passed:
-        F.add(GOVERNOR_SRC, "routes", "cannot read the governor's routes or passthrough paths")
-    return own, passed
+    passed = default_list("default_passthrough_paths", "--passthrough-paths", args)
+    public = default_list("default_public_paths", "--public-paths", args)
+    if not own or not passed or not public:
+        F.add(GOVERNOR_SRC, "routes", "cannot read the governor's routes, passthrough or public paths")
+    return own, passed, public
 
 
 def allowed(path, patterns):

@@ -173,6 +173,9 @@ pub struct GovernArgs {
     /// GET paths forwarded to the upstream, comma-separated; `prefix*` matches a prefix (default /v1/models,/v1/models/*,/health,/healthz,/ready,/version).
     #[arg(long, env = "ENVELOPE_GOVERN_PASSTHROUGH_PATHS", value_delimiter = ',')]
     pub passthrough_paths: Option<Vec<String>>,
+    /// Paths answered without an API key when keys are configured, comma-separated; `prefix*` matches a prefix; every other route needs a known key (default /health,/healthz,/ready,/metrics).
+    #[arg(long, env = "ENVELOPE_GOVERN_PUBLIC_PATHS", value_delimiter = ',')]
+    pub public_paths: Option<Vec<String>>,
     /// Counting one request's prompt tokens, ms; past it the bound estimate counts (default 2000).
     #[arg(long, env = "ENVELOPE_GOVERN_COUNT_TIMEOUT_MS")]
     pub count_timeout_ms: Option<u64>,
@@ -260,6 +263,7 @@ impl GovernArgs {
             connect_timeout_ms,
             max_request_ms,
             passthrough_paths,
+            public_paths,
             count_timeout_ms,
             max_counting,
             image_part_tokens,
@@ -361,6 +365,9 @@ impl GovernArgs {
         );
         if let Some(p) = &self.passthrough_paths {
             s.passthrough_paths = p.clone();
+        }
+        if let Some(p) = &self.public_paths {
+            s.public_paths = p.clone();
         }
         if let Some(p) = &self.tenants {
             let t = read("--tenants", p)?;

@@ -9,9 +9,11 @@
 //! and `/admin/*` itself. Client-facing errors never name the upstream's
 //! address (the log does).
 
+mod admin;
 mod count;
 mod flow;
 mod headers;
+mod passthrough;
 mod serve;
 mod timer;
 
@@ -21,12 +23,14 @@ use crate::error::GovernError;
 use crate::identity::{self, Identity};
 use crate::policy;
 use crate::request::{self, Endpoint, OutputDecision, ParsedRequest, Prompts};
-use crate::settings::{path_allowed, Settings};
+use crate::settings::Settings;
 use crate::tokens::{CountSource, TokenCounter};
+pub(crate) use admin::{admin_allowed, from_a_browser, ADMIN_DENIED};
+use admin::{admin_reload, admin_state};
 use axum::body::{Body, Bytes};
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_TYPE, HOST};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -34,9 +38,9 @@ pub(crate) use count::count;
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
 pub(crate) use headers::{forward_headers, named, placed_headers, tenant_value, Extra, HOP_BY_HOP};
 use headers::{CLASS, TENANT_HEADER};
+use passthrough::{metrics, passthrough};
 pub use serve::serve;
 pub(crate) use serve::serve_router;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -100,8 +104,6 @@ pub fn upstream_client(s: &Settings) -> UpstreamClient {
 
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
 const DEADLINE_NAME: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
-pub(crate) const ADMIN_DENIED: &str =
-    "admin endpoints answer loopback or a valid x-envelope-admin-token";
 
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
@@ -118,122 +120,6 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/admin/reload", post(admin_reload))
         .fallback(passthrough)
         .with_state(state)
-}
-
-async fn metrics(State(s): State<Arc<AppState>>) -> Response {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.gov.metrics.render(),
-    )
-        .into_response()
-}
-
-/// Loopback, or the admin token (compared in constant time).
-pub(crate) fn admin_allowed(s: &AppState, req: &Request) -> bool {
-    let loopback = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .is_some_and(|c| c.0.ip().is_loopback());
-    let settings = s.gov.settings();
-    let given = req
-        .headers()
-        .get("x-envelope-admin-token")
-        .map(HeaderValue::as_bytes);
-    let token_ok = match (settings.admin_token.as_deref(), given) {
-        (Some(t), Some(g)) => constant_time_eq::constant_time_eq(t.as_bytes(), g),
-        _ => false,
-    };
-    loopback || token_ok
-}
-
-/// A request a browser sent (a page on any site can make the browser POST
-/// to a loopback address; browsers mark such requests, scripts do not).
-pub(crate) fn from_a_browser(h: &HeaderMap) -> bool {
-    h.contains_key("origin")
-        || h.get("sec-fetch-site")
-            .is_some_and(|v| v.as_bytes() != b"none")
-        || h.contains_key("sec-fetch-mode")
-}
-
-async fn admin_state(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    if !admin_allowed(&s, &req) {
-        return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
-    }
-    axum::Json(s.gov.state_json()).into_response()
-}
-
-async fn admin_reload(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    if !admin_allowed(&s, &req) {
-        return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
-    }
-    if from_a_browser(req.headers()) {
-        return GovernError::Forbidden(
-            "admin POSTs are refused from browsers (Origin or Sec-Fetch-* present)".into(),
-        )
-        .into_response();
-    }
-    match &s.reload {
-        None => GovernError::NotFound("no profile file to reload".into()).into_response(),
-        Some(hook) => match hook() {
-            Ok(id) => axum::Json(serde_json::json!({"reloaded": true, "profile_id": id})).into_response(),
-            Err(e) => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                axum::Json(serde_json::json!({"error": {"message": e, "type": "invalid_request_error", "param": null, "code": "invalid_profile"}})),
-            )
-                .into_response(),
-        },
-    }
-}
-
-/// Allowlisted GET paths (and the tokenizer endpoints) go to the upstream as they are.
-async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    let settings = s.gov.settings();
-    let path = req.uri().path().to_string();
-    let allowed = (matches!(*req.method(), Method::GET | Method::HEAD)
-        && path_allowed(&settings.passthrough_paths, &path))
-        || (req.method() == Method::POST && matches!(path.as_str(), "/tokenize" | "/detokenize"));
-    if !allowed {
-        let e = GovernError::NotFound(format!(
-            "{} {path}: the governor forwards the two completion endpoints, /tokenize and the GET paths it is configured to pass ({})",
-            req.method(),
-            settings.passthrough_paths.join(", ")
-        ));
-        s.gov.metrics.reject(e.reason());
-        return e.into_response();
-    }
-    let pq = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or(path);
-    let url = format!("{}{pq}", s.upstream);
-    let method = req.method().clone();
-    let headers = forward_headers(req.headers());
-    let body = match axum::body::to_bytes(req.into_body(), 1 << 20).await {
-        Ok(b) => b,
-        Err(_) => {
-            return GovernError::BodyTooLarge {
-                limit_bytes: 1 << 20,
-            }
-            .into_response()
-        }
-    };
-    let timeout = Duration::from_millis(settings.upstream_timeout_ms.min(settings.max_request_ms));
-    let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
-    let send = s.client.send(method, &url, headers, body);
-    match tokio::time::timeout(timeout, send).await {
-        Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, []),
-        Ok(Err(e)) => upstream_error(&s, e, false).into_response(),
-        Err(_) => upstream_error(
-            &s,
-            format!("{url}: no answer in {} ms", timeout.as_millis()),
-            true,
-        )
-        .into_response(),
-    }
 }
 
 /// The streaming relay on its own (the fuzz target drives it with arbitrary
@@ -719,6 +605,7 @@ fn learn_from_usage(s: &AppState, placed: &Placed, parsed: &ParsedRequest) -> Op
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::HeaderMap;
 
     #[tokio::test]
     async fn a_body_is_read_whole_in_one_frame_or_several() {
@@ -756,18 +643,5 @@ mod tests {
         let f = forward_headers(&h);
         assert_eq!(f.len(), 1);
         assert!(f.contains_key("authorization"));
-    }
-
-    #[test]
-    fn browsers_are_told_apart_from_scripts() {
-        let mut h = HeaderMap::new();
-        assert!(!from_a_browser(&h));
-        h.insert("sec-fetch-site", HeaderValue::from_static("none"));
-        assert!(!from_a_browser(&h));
-        h.insert("sec-fetch-site", HeaderValue::from_static("cross-site"));
-        assert!(from_a_browser(&h));
-        let mut h = HeaderMap::new();
-        h.insert("origin", HeaderValue::from_static("http://example.com"));
-        assert!(from_a_browser(&h));
     }
 }

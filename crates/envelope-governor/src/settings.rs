@@ -294,6 +294,10 @@ pub struct Settings {
     pub max_request_ms: u64,
     /// GET paths forwarded to the upstream (exact, or a prefix ending in `*`).
     pub passthrough_paths: Vec<String>,
+    /// Paths answered without an API key when keys are configured (exact,
+    /// or a prefix ending in `*`): probes and scrapes. Every other route,
+    /// forwarded or the governor's own, needs a known key then.
+    pub public_paths: Vec<String>,
     /// Counting a request's prompt tokens (one upstream /tokenize call, or
     /// the local tokenizer), ms; past it the conservative estimate counts.
     pub count_timeout_ms: u64,
@@ -319,6 +323,14 @@ pub fn default_passthrough_paths() -> Vec<String> {
     ]
     .map(String::from)
     .to_vec()
+}
+
+/// The paths answered without an API key by default: health, readiness
+/// and the governor's metrics (what a kubelet and Prometheus call).
+pub fn default_public_paths() -> Vec<String> {
+    ["/health", "/healthz", "/ready", "/metrics"]
+        .map(String::from)
+        .to_vec()
 }
 
 /// Whether `path` is in an allowlist of exact paths and `prefix*` entries.
@@ -363,6 +375,7 @@ impl Settings {
             connect_timeout_ms: 5_000,
             max_request_ms: 900_000,
             passthrough_paths: default_passthrough_paths(),
+            public_paths: default_public_paths(),
             count_timeout_ms: 2_000,
             max_counting: 64,
             image_part_tokens: 2048,
@@ -418,8 +431,13 @@ impl Settings {
                 return Err(format!("`{name}` must be at least 1"));
             }
         }
-        if let Some(p) = self.passthrough_paths.iter().find(|p| !p.starts_with('/')) {
-            return Err(format!("`passthrough_paths`: `{p}` must start with /"));
+        for (name, list) in [
+            ("passthrough_paths", &self.passthrough_paths),
+            ("public_paths", &self.public_paths),
+        ] {
+            if let Some(p) = list.iter().find(|p| !p.starts_with('/')) {
+                return Err(format!("`{name}`: `{p}` must start with /"));
+            }
         }
         let (small, reject) = (self.ladder.small_kv_usage, self.ladder.reject_kv_usage);
         if !(0.0 < small && small <= reject && reject <= 1.0) {
