@@ -544,3 +544,12 @@ async fn the_estimate_learns_bytes_per_token_from_the_upstreams_usage() {
     assert_eq!(counted(&r), 400 + 2);
     assert_eq!(learnt.bytes_per_token(), 1.0);
 }
+
+/// The helper every test here waits with fails the test when what it waits
+/// for never comes, rather than hand back a state the test then misreads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "did not reach what the test waits for")]
+async fn waiting_for_a_state_that_never_comes_fails_the_test() {
+    let g = start(limits(1000, 100, 4, 4000), |_| {}).await;
+    g.wait_state(|s| s["in_flight"]["requests"] == 99).await;
+}

@@ -301,14 +301,19 @@ impl Gov {
             .unwrap()
     }
 
-    /// Polls /admin/state until `f` holds (or 5 s pass); returns the last state.
+    /// Polls /admin/state until `f` holds and returns that state; fails the
+    /// test when it does not hold within 5 s.
     pub async fn wait_state(&self, f: impl Fn(&Value) -> bool) -> Value {
         let end = std::time::Instant::now() + Duration::from_secs(5);
         loop {
             let s = self.state().await;
-            if f(&s) || std::time::Instant::now() > end {
+            if f(&s) {
                 return s;
             }
+            assert!(
+                std::time::Instant::now() < end,
+                "the state did not reach what the test waits for in 5 s: {s}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
