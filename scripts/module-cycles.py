@@ -11,8 +11,11 @@ of its ancestors' siblings by way of the root is counted at the level where
 both meet. Test code (`tests.rs` files, `#[cfg(test)] mod tests` blocks) may
 reach anywhere and is left out.
 
-Exit status 1 on a cycle or an oversized hand-written file; the report names
-both. Usage: scripts/module-cycles.py [--max-lines 800]
+A glob import of a parent (`use super::*`) hides which of its names a
+module uses, and so the edges above: outside test code it is refused too.
+
+Exit status 1 on a cycle, a glob import of a parent outside tests, or an
+oversized hand-written file; the report names each. Usage: scripts/module-cycles.py [--max-lines 800]
 """
 import argparse
 import os
@@ -24,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USE_RE = re.compile(r"\buse\s+(crate|super)::(.*?);", re.S)
 PATH_RE = re.compile(r"\b(crate|super)::([A-Za-z_][A-Za-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)*)")
 TEST_BLOCK_RE = re.compile(r"#\[cfg\(test\)\]\s*(pub(\(crate\))?\s+)?mod\s+\w+\s*\{")
+GLOB_SUPER_RE = re.compile(r"\buse\s+super::\*\s*;")
 TEST_DECL_RE = re.compile(r"#\[cfg\(test\)\]\s*(pub(\(crate\))?\s+)?mod\s+\w+\s*;")
 
 
@@ -180,12 +184,14 @@ def check_crate(name, src):
     modules = {tuple(m) for m in files.values()}
     # Inline `mod x {` blocks are rare here and are treated as part of their file.
     reexports = root_reexports(src)
-    edges = {}
+    edges, globs = {}, []
     for path, here in files.items():
         if os.path.basename(path) == "tests.rs" or (here and here[-1] == "tests"):
             continue
         text = strip_tests(open(path).read())
         text = TEST_DECL_RE.sub("", text)
+        if GLOB_SUPER_RE.search(text):
+            globs.append(os.path.relpath(path, ROOT))
         for parts in references(text, here, modules):
             target = resolve(parts, modules, reexports)
             if not target or not here:
@@ -198,7 +204,7 @@ def check_crate(name, src):
                 continue  # a module and its own ancestor or descendant
             a, b = tuple(here[: k + 1]), tuple(target[: k + 1])
             edges.setdefault(a, set()).add(b)
-    return cycles(edges), sum(len(v) for v in edges.values())
+    return cycles(edges), sum(len(v) for v in edges.values()), globs
 
 
 def oversized(max_lines):
@@ -222,7 +228,10 @@ def main():
     args = ap.parse_args()
     bad = False
     for name, src in crates():
-        found, n = check_crate(name, src)
+        found, n, globs = check_crate(name, src)
+        for path in globs:
+            bad = True
+            print(f"{path}: `use super::*` outside tests (name what it uses)")
         for comp in found:
             bad = True
             print(f"{name}: modules that import each other: " + ", ".join("::".join(m) for m in comp))

@@ -29,18 +29,16 @@ pub use precision::{
 };
 use upload::Uploader;
 
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvGeometry;
-use crate::linear::{Linear, Matrix};
-use crate::model::{self, Backend, Norm, Proj, SeqChunk, StepBatch};
-use crate::precision::{KvDtype, Precision};
+use crate::model::{self, SeqChunk, StepBatch};
+use crate::precision::Precision;
 use crate::sampling::DevicePick;
 use crate::settings::{EngineConfig, KvBudget};
-use crate::weights::{self, DummyInit, ModelSource, ModelWeights, Role, WeightReport};
-use candle_core::{DType as CDType, Device as CDevice, Tensor};
-use envelope_cuda::runtime::{le_bytes, AttnDims, Buf, DType, F32Slice, Fp8Buf, Gpu};
-use envelope_cuda::{geometry, memory};
+use crate::weights::{self, ModelSource, ModelWeights, Role, WeightReport};
+use envelope_cuda::memory;
+use envelope_cuda::runtime::{le_bytes, Buf, DType, F32Slice, Fp8Buf, Gpu};
 
 /// A weight matrix `[out, inner]` on the device.
 pub enum DevMatrix {

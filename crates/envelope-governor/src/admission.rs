@@ -16,7 +16,6 @@ use crate::queue::{AdmissionQueue, Class};
 use crate::settings::OverBudget;
 use crate::settings::Settings;
 use envelope_profile::Limits;
-use serde_json::json;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};

@@ -1,7 +1,10 @@
 //! CUDA graphs on the runtime's stream: capture, instantiate, replay (the
 //! engine's decode steps).
 
-use super::*;
+use super::{drv, shape, Gpu};
+use crate::error::{CudaError, Result};
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
 
 /// A captured and instantiated CUDA graph (the engine's decode steps),
 /// replayed on the stream it was captured from.

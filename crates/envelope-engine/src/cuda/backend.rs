@@ -1,6 +1,11 @@
 //! [`Backend`] on the GPU: each model operation as kernels and GEMMs.
 
-use super::*;
+use super::{CudaModel, DevKv, DevLinear, DevMatrix, StepMeta};
+use crate::config::RopeStyle;
+use crate::error::{EngineError, Result};
+use crate::model::{Backend, Norm, Proj, StepBatch};
+use crate::precision::Precision;
+use envelope_cuda::runtime::{le_bytes, AttnDims, Buf, DType, Fp8Buf, Gpu};
 
 pub(super) struct DevMeta {
     pub(super) ids: Buf,

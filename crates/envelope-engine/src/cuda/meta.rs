@@ -1,6 +1,8 @@
 //! A step's metadata, built on the host from its chunks.
 
-use super::*;
+use crate::error::Result;
+use crate::model::StepBatch;
+use envelope_cuda::geometry;
 
 /// Everything a step needs to know on the device, built on the host from
 /// the chunks: where each new token's K/V goes, each sequence's block

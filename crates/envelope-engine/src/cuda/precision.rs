@@ -1,7 +1,11 @@
 //! Which precisions and KV dtypes run on CUDA, and the device memory a
 //! step's activations take.
 
-use super::*;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::precision::{KvDtype, Precision};
+use envelope_cuda::geometry;
+use envelope_cuda::runtime::DType;
 
 /// The activation dtype of a precision on CUDA.
 ///

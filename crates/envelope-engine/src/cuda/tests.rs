@@ -1,4 +1,8 @@
 use super::*;
+use crate::config::RopeStyle;
+use crate::model::{Backend, Norm, Proj};
+use crate::precision::KvDtype;
+use candle_core::{Device as CDevice, Tensor};
 
 #[test]
 fn precisions_map_to_activation_dtypes() {

@@ -1,6 +1,12 @@
 //! Host weights and `dummy:` presets into device buffers.
 
-use super::*;
+use super::{DevLinear, DevMatrix};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::linear::{Linear, Matrix};
+use crate::weights::{self, DummyInit, Role};
+use candle_core::{DType as CDType, Device as CDevice, Tensor};
+use envelope_cuda::runtime::{le_bytes, Buf, DType, Gpu};
 
 /// Turns host weights and dummy presets into device buffers.
 pub(super) struct Uploader<'a> {

@@ -2,8 +2,10 @@
 //! pass (an `expect`, an index out of range, a kernel wrapper's assert)
 //! fails the requests of that step, not the engine every client shares.
 
-use super::*;
+use super::{Engine, Event, Sequence, StepRunner, StepStats};
+use crate::error::{EngineError, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 
 impl Engine {
     /// [`Engine::step`], with a panic in it turned into an error: the

@@ -1,7 +1,15 @@
 //! The engine on its own thread: the command loop and the handle the
 //! server, the harness and the CLI hold.
 
-use super::*;
+use super::{Engine, EngineInfo, EngineMetrics, Event, FinishReason, GenerateRequest};
+use crate::chat::ChatTemplate;
+use crate::error::{EngineError, Result};
+use crate::load::LoadedModel;
+use crate::settings::{EngineConfig, Placement};
+use crate::tokenizer::TextTokenizer;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 enum Command {
     Submit(GenerateRequest, UnboundedSender<Event>),

@@ -2,6 +2,7 @@ use super::*;
 use crate::load::{load, LoadOptions};
 use crate::precision::Precision;
 use std::sync::atomic::AtomicUsize;
+use std::sync::Mutex;
 
 /// A CPU runner that claims device sampling and counts which path the
 /// engine takes, recording the picks it was handed.

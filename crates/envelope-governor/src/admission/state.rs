@@ -1,6 +1,9 @@
 //! `/admin/state`: what the governor holds and why, as JSON.
 
-use super::*;
+use super::{Governor, CAPACITY_UNITS};
+use crate::policy::effective_limits;
+use serde_json::json;
+use std::time::Instant;
 
 impl Governor {
     /// The admin `state` document.
