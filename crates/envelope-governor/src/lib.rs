@@ -30,6 +30,7 @@ pub mod policy;
 pub mod price;
 pub mod proxy;
 pub mod queue;
+mod refusal;
 pub mod request;
 pub mod settings;
 pub mod start;

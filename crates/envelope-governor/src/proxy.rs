@@ -30,14 +30,13 @@ use admin::{admin_reload, admin_state};
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_TYPE, HOST};
-use axum::http::{HeaderName, HeaderValue, Method, StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderName, HeaderValue, Method, Uri};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 pub(crate) use count::count;
 pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
-pub(crate) use headers::{forward_headers, named, placed_headers, tenant_value, Extra, HOP_BY_HOP};
-use headers::{CLASS, TENANT_HEADER};
+pub(crate) use headers::{forward_headers, named, placed_headers, Extra, HOP_BY_HOP};
 use passthrough::{metrics, passthrough};
 pub use serve::serve;
 pub(crate) use serve::serve_router;
@@ -150,22 +149,9 @@ fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
     e
 }
 
+/// A refusal of the governor over one upstream (see [`crate::refusal`]).
 pub(crate) fn reject(s: &AppState, e: GovernError) -> Response {
-    s.gov.metrics.reject(e.reason());
-    if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
-        tracing::info!(
-            reason = e.reason(),
-            status = e.status().as_u16(),
-            "refused: {e}"
-        );
-    } else {
-        tracing::debug!(
-            reason = e.reason(),
-            status = e.status().as_u16(),
-            "refused: {e}"
-        );
-    }
-    e.into_response()
+    crate::refusal::refuse(&s.gov.metrics, e)
 }
 
 async fn governed(State(s): State<Arc<AppState>>, endpoint: Endpoint, req: Request) -> Response {
@@ -184,12 +170,7 @@ async fn governed(State(s): State<Arc<AppState>>, endpoint: Endpoint, req: Reque
         Ok(r) => r,
         Err(e) => reject(&s, e),
     };
-    // Every answer says whom it was charged to.
-    let h = r.headers_mut();
-    if let Some(v) = tenant_value(&who.tenant) {
-        h.insert(TENANT_HEADER, v);
-    }
-    h.insert(CLASS, HeaderValue::from_static(who.class.label()));
+    crate::refusal::charged_to(&mut r, &who);
     r
 }
 

@@ -5,7 +5,6 @@
 //! the governor's instructions a request.
 
 use super::{Placed, DEADLINE_HEADER};
-use crate::identity::CLASS_HEADER;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
 pub(crate) const HOP_BY_HOP: &[&str] = &[
@@ -52,8 +51,6 @@ const DECISION_HEADER: HeaderName = HeaderName::from_static("x-envelope-max-toke
 const PROMPT_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-prompt-tokens");
 const TOKEN_COUNT_HEADER: HeaderName = HeaderName::from_static("x-envelope-token-count");
 const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms");
-pub(super) const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
-pub(super) const CLASS: HeaderName = HeaderName::from_static(CLASS_HEADER);
 
 /// The headers that say what the governor did with a placed request
 /// (budget headers after them, when the request has budgets).
@@ -82,14 +79,6 @@ pub(crate) fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderNam
     ]
     .into_iter()
     .chain(budget)
-}
-
-/// The tenant's name as a header value (none for a name that is not one).
-pub(crate) fn tenant_value(tenant: &str) -> Option<HeaderValue> {
-    if tenant == crate::identity::DEFAULT_TENANT {
-        return Some(HeaderValue::from_static(crate::identity::DEFAULT_TENANT));
-    }
-    HeaderValue::from_str(tenant).ok()
 }
 
 /// Numbers below this are answered from one text made once.
@@ -151,12 +140,5 @@ mod tests {
         for n in 0..SMALL as u64 {
             assert_eq!(number(n).to_str().unwrap(), n.to_string());
         }
-    }
-
-    #[test]
-    fn the_default_tenant_and_others_are_header_values() {
-        assert_eq!(tenant_value("default").unwrap(), "default");
-        assert_eq!(tenant_value("team-a").unwrap(), "team-a");
-        assert!(tenant_value("bad\nname").is_none());
     }
 }

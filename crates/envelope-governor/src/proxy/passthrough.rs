@@ -68,8 +68,7 @@ pub(super) async fn passthrough(State(s): State<Arc<AppState>>, req: Request) ->
             req.method(),
             settings.passthrough_paths.join(", ")
         ));
-        s.gov.metrics.reject(e.reason());
-        return e.into_response();
+        return reject(&s, e);
     }
     if !public(&settings, &path) {
         if let Err(e) = identity::tenant(&settings.tenants, req.headers()) {

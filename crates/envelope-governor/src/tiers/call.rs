@@ -291,19 +291,9 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
 }
 
 /// A refusal the router answers itself, counted by reason.
+/// A refusal of the governor over model tiers (see [`crate::refusal`]).
 pub(super) fn refuse(r: &Router, e: GovernError) -> Response {
-    r.metrics
-        .refusals
-        .get_or_create(&labels(&[("reason", e.reason())]))
-        .inc();
-    if e.status().is_server_error() || e.status() == StatusCode::TOO_MANY_REQUESTS {
-        tracing::info!(
-            reason = e.reason(),
-            status = e.status().as_u16(),
-            "refused: {e}"
-        );
-    }
-    e.into_response()
+    crate::refusal::refuse(&r.metrics, e)
 }
 
 pub(super) async fn governed(
@@ -326,9 +316,7 @@ pub(super) async fn governed(
         Ok(resp) => resp,
         Err(e) => refuse(&r, e),
     };
-    if let Some(v) = proxy::tenant_value(&who.tenant) {
-        resp.headers_mut().insert("x-envelope-tenant", v);
-    }
+    crate::refusal::charged_to(&mut resp, &who);
     resp
 }
 

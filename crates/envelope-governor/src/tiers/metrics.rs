@@ -222,6 +222,14 @@ pub fn merge(parts: &[(Labels, String)]) -> String {
     out
 }
 
+impl crate::refusal::RefusalCounter for TierMetrics {
+    fn count_refusal(&self, reason: &'static str) {
+        self.refusals
+            .get_or_create(&labels(&[("reason", reason)]))
+            .inc();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
