@@ -4,13 +4,19 @@
 use envelope_profile::{ConfigResult, Profile};
 use std::collections::BTreeMap;
 
+/// Text from a profile (a config's name, an error, a server's note) as one
+/// Markdown table cell: a `|` or a line break would end the cell early.
+fn cell(s: &str) -> String {
+    s.replace('|', "\\|").replace(['\n', '\r'], " ")
+}
+
 fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
     c.buckets
         .iter()
         .map(|b| {
             let a = b.at_feasible.as_ref();
             [
-                c.name.clone(),
+                cell(&c.name),
                 format!("{}x{}", b.input_tokens, b.output_tokens),
                 b.feasible_concurrency.to_string(),
                 match b.safe_rate_per_s {
@@ -126,8 +132,8 @@ pub fn markdown(p: &Profile) -> String {
         if let Some(e) = &c.error {
             s += &format!(
                 "| {} | error: {} |{}\n",
-                c.name,
-                e,
+                cell(&c.name),
+                cell(e),
                 " |".repeat(HEAD.len() - 2)
             );
         }
@@ -141,14 +147,14 @@ pub fn markdown(p: &Profile) -> String {
         let m = &c.memory;
         s += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
-            c.name,
+            cell(&c.name),
             mib(m.weight_bytes),
             mib(m.weight_bytes_analytic),
             m.resident_after_load_bytes.map_or("-".into(), mib),
             m.kv_bytes_per_token,
             m.kv_capacity_tokens,
             m.peak_bytes.map_or("-".into(), mib),
-            m.source.as_deref().unwrap_or("-")
+            cell(m.source.as_deref().unwrap_or("-"))
         );
     }
     s += &workload_section(p);
@@ -265,7 +271,7 @@ fn server_section(p: &Profile) -> String {
             let ch = c.server_checks.as_ref();
             s += &format!(
                 "| {} | {} | {} | {} | {} | {} |\n",
-                c.name,
+                cell(&c.name),
                 c.time_to_ready_s.map_or("-".into(), |t| format!("{t:.1}")),
                 ch.map_or("-", |c| if c.governed {
                     "**yes** (envelope govern)"
@@ -278,7 +284,7 @@ fn server_section(p: &Profile) -> String {
                 } else {
                     "**no** (text)"
                 }),
-                ch.map_or(String::new(), |c| c.notes.join("; "))
+                ch.map_or(String::new(), |c| cell(&c.notes.join("; ")))
             );
         }
     }
@@ -297,74 +303,23 @@ fn server_section(p: &Profile) -> String {
     s
 }
 
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-}
-
+/// `report.html`: the Markdown report rendered (tables, images, code), so
+/// the two cannot drift apart; raw HTML in it (a config name or a server's
+/// note could hold some) is shown as text, never run.
 pub fn html(p: &Profile) -> String {
-    let mut s = String::from(
+    use pulldown_cmark::{html::push_html, Event, Options, Parser};
+    let md = markdown(p);
+    let events = Parser::new_ext(&md, Options::ENABLE_TABLES).map(|e| match e {
+        Event::Html(t) | Event::InlineHtml(t) => Event::Text(t),
+        e => e,
+    });
+    let mut body = String::new();
+    push_html(&mut body, events);
+    format!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>envelope sweep report</title>\
-<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#eee}</style>\
-</head><body><h1>envelope sweep report</h1>",
-    );
-    s += &format!(
-        "<p>Schema <code>{}</code>; {} probes. SLOs: {}.</p>",
-        esc(&p.schema),
-        p.probes_total,
-        esc(&slo_line(p))
-    );
-    s += &format!(
-        "<p><b>Selected <code>{}</code></b>; limits: {}.</p>",
-        esc(&p.selected),
-        esc(&limits_line(p))
-    );
-    s += "<h2>The envelope the governor enforces</h2><table><tr>";
-    let (head, table) = envelope_rows(p);
-    for h in &head {
-        s += &format!("<th>{}</th>", esc(h));
-    }
-    s += "</tr>";
-    for r in table {
-        s += "<tr>";
-        for c in r {
-            s += &format!("<td>{}</td>", esc(&c));
-        }
-        s += "</tr>";
-    }
-    s += "</table>";
-    s += "<h2>Safe operating points</h2><table><tr>";
-    for h in HEAD {
-        s += &format!("<th>{h}</th>");
-    }
-    s += "</tr>";
-    for c in &p.configs {
-        if let Some(e) = &c.error {
-            s += &format!(
-                "<tr><td>{}</td><td colspan=\"8\">error: {}</td></tr>",
-                esc(&c.name),
-                esc(e)
-            );
-        }
-        for r in rows(c) {
-            s += "<tr>";
-            for v in r {
-                s += &format!("<td>{}</td>", esc(&v));
-            }
-            s += "</tr>";
-        }
-    }
-    s += "</table><h2>Plots</h2>";
-    for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
-        s += &format!(
-            "<p><img src=\"{}\" alt=\"{}\" style=\"max-width:100%\"></p>",
-            esc(&crate::plots::file_name(c)),
-            esc(&c.name)
-        );
-    }
-    s += "<p>Raw data: probes.csv, requests.csv, telemetry.csv, profile.json.</p></body></html>\n";
-    s
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}th{{background:#eee}}img{{max-width:100%}}</style>\
+</head><body>\n{body}</body></html>\n"
+    )
 }
 
 /// Writes `report.md`, `report.html` and `plots/*.svg` for `p` into `dir`.
