@@ -9,7 +9,7 @@
 # Run it after editing anything in kernels/. CI fails when the files are
 # stale: the digests are checked on every machine, and where NVRTC is
 # installed each file must equal NVRTC's output byte for byte
-# (crates/envelope-cuda/tests/nvrtc_compile.rs).
+# (crates/envelope-cuda/tests/it/nvrtc_compile.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash scripts/nvrtc-setup.sh)"

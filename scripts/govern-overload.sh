@@ -4,7 +4,7 @@
 # concurrency is 4 (48 + 192 tokens per request), and 4x that many
 # concurrent completions, first directly, then through `envelope govern`.
 # Directly the server preempts; through the governor it does not, and the
-# excess gets 429 with Retry-After. tests/govern.rs asserts the same.
+# excess gets 429 with Retry-After. tests/it/govern.rs asserts the same.
 #
 #   scripts/govern-overload.sh [CONCURRENCY]     (default 16)
 set -euo pipefail

@@ -11,7 +11,7 @@
 //! completions, and a closed loop at 4x the safe concurrency, straight at
 //! the server and through the governor.
 
-mod common;
+use crate::common;
 
 use common::{smollm2, temp_dir, Governor};
 use serde_json::{json, Value};
@@ -573,7 +573,10 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
     eprintln!(
         "streaming: upstream requests on {kept0} kept and {new0} new connections, {resent0} resent"
     );
-    // Whole answers keep their connection: over 90% of requests reuse one.
+    // Whole answers keep their connection: a new one is opened only while
+    // the pool has none idle (at most one per client at once), and every
+    // later request reuses one. (A share of all requests would depend on
+    // how many were refused.)
     let governed = overload(&g.base, clients, 8, &prompt, false);
     assert_governed("llama-server governed, whole answers", &governed, 8, &g);
     let [kept, new, resent] = connections(&g);
@@ -582,7 +585,10 @@ fn llama_server_defaults_from_sweep_to_governed_overload() {
         "whole answers: upstream requests on {kept} kept and {new} new connections, {} resent",
         resent - resent0
     );
-    assert!(kept / (kept + new) > 0.9, "{kept} kept, {new} new");
+    assert!(
+        new <= clients as f64 && kept > 2.0 * new,
+        "{kept} kept, {new} new"
+    );
     // The governor's live guard reads the same metrics, and says what it
     // guards on without a KV gauge.
     let log = g.log();

@@ -4,7 +4,7 @@
 //! governor it does not, and the excess gets 429 with Retry-After — plus
 //! context-length refusals, hot reload and drain on SIGTERM.
 
-mod common;
+use crate::common;
 
 use common::{Governor, Server};
 use serde_json::{json, Value};

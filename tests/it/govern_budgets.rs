@@ -4,7 +4,7 @@
 //! by three governor replicas through a real `redis-server`; Redis stopped
 //! mid-run (fail open or closed per budget, then recovery); shadow mode.
 
-mod common;
+use crate::common;
 
 use common::redis::Redis;
 use common::tiers::{chat, dummy, profile, Answer};

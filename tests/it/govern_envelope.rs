@@ -6,7 +6,7 @@
 //! held to the SLOs by the latency guard, the excess getting 429 with
 //! Retry-After (issue #14).
 
-mod common;
+use crate::common;
 
 use common::{Governor, Server, SlowServer};
 use serde_json::{json, Value};

@@ -5,7 +5,7 @@
 //! shadow agreement, costs that add up to the tokens served, and reload
 //! and rollback of the tiers file (issue #18).
 
-mod common;
+use crate::common;
 
 use common::tiers::*;
 use serde_json::{json, Value};
@@ -686,4 +686,88 @@ fn an_invalid_tiers_file_stops_the_start_naming_the_field() {
         .output()
         .unwrap();
     assert!(!both.status.success());
+}
+
+/// A call as sent on the wire: its status, its headers but `date`, and its
+/// body's bytes.
+async fn raw_call(
+    base: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    let mut r = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_string());
+    for (k, v) in headers {
+        r = r.header(*k, *v);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let mut h: Vec<(String, String)> = resp
+        .headers()
+        .iter()
+        .filter(|(k, _)| k.as_str() != "date")
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").to_string()))
+        .collect();
+    h.sort();
+    (status, h, resp.bytes().await.unwrap().to_vec())
+}
+
+/// One refusal function for both front doors: the same request refused by
+/// a governor over one upstream and by one over a tier of that upstream
+/// reads the same, byte for byte: status, every header but the date (the
+/// reason, Retry-After or x-should-retry, the tenant and class charged),
+/// and the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_reads_the_same_with_one_upstream_and_with_tiers() {
+    let dir = temp_dir("same-refusal");
+    let up = dummy(1, "tiny-a");
+    let p = profile(&dir, "only", 64, 16, 2);
+    let single_dir = dir.join("single");
+    std::fs::create_dir_all(&single_dir).unwrap();
+    let single = common::Governor::start(&single_dir, &p, &up.base, &["--guard", "false"]);
+    let tiers = govern(
+        &dir,
+        &format!(
+            "version = \"v1\"\norder = [\"only\"]\n[tiers.only]\nupstreams = [{{ url = \"{}\", profile = \"{}\", model = \"tiny-a\" }}]\n",
+            up.base,
+            p.display()
+        ),
+    );
+    let long = ask(&"many words in a prompt ".repeat(60), 8).to_string();
+    // What each case is, its body, and its headers.
+    type Case<'a> = (&'a str, String, &'a [(&'a str, &'a str)]);
+    let cases: [Case; 5] = [
+        ("a prompt over the context", long, &[]),
+        ("max_tokens 0", ask("hello", 0).to_string(), &[]),
+        ("a body that is not JSON", "{not json".into(), &[]),
+        (
+            "an unknown class",
+            ask("hello", 4).to_string(),
+            &[("x-envelope-class", "urgent")],
+        ),
+        (
+            "a deadline that is not a number",
+            ask("hello", 4).to_string(),
+            &[("x-request-deadline-ms", "soon")],
+        ),
+    ];
+    for (what, body, headers) in &cases {
+        let a = raw_call(&single.base, body, headers).await;
+        let b = raw_call(&tiers.base, body, headers).await;
+        assert!((400..500).contains(&a.0), "{what}: {a:?}");
+        assert_eq!(a.0, b.0, "{what}");
+        assert_eq!(a.1, b.1, "{what}: headers");
+        assert_eq!(
+            String::from_utf8_lossy(&a.2),
+            String::from_utf8_lossy(&b.2),
+            "{what}: body"
+        );
+        // Past identity, both name whom the refusal was charged to.
+        let charged = a.1.iter().any(|(k, _)| k == "x-envelope-class");
+        assert_eq!(charged, *what != "an unknown class", "{what}: {a:?}");
+    }
+    drop((single, tiers));
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -2,7 +2,7 @@
 //! workloads (issue #6): the table carries the demand arithmetic, the
 //! supply read from the profile, and the replicas per scenario.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Output};
 

@@ -1,7 +1,7 @@
 //! `envelope serve` end to end, over HTTP on loopback, with the real
 //! SmolLM2 weights.
 
-mod common;
+use crate::common;
 
 use common::{smollm2, Server};
 use serde_json::{json, Value};

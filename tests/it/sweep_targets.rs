@@ -8,7 +8,7 @@
 //! - a server that ends running streams early when a new request arrives
 //!   fails its probes with `short_output`, not counted as fast.
 
-mod common;
+use crate::common;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -408,7 +408,7 @@ headroom = 0.0
 fn a_two_class_workload_with_sessions_yields_a_safe_scale() {
     let (d, profile) = workload_sweep(
         "workload",
-        &["--kv-cache-bytes", "4MiB"],
+        Upstream::Serve(&["--kv-cache-bytes", "4MiB"]),
         r#"name = "agents"
 [[class]]
 name = "agent"
@@ -489,7 +489,7 @@ output_tokens_p95 = 2
 fn a_collapse_and_recovery_run_finds_knee_collapse_and_recovery() {
     let (d, profile) = workload_sweep(
         "collapse",
-        &["--kv-cache-bytes", "8MiB", "--max-num-seqs", "256", "--slow-step-ms-per-seq", "10"],
+        Upstream::Slow(8 << 20, 256, 10),
         r#"name = "chat"
 [[class]]
 name = "chat"
@@ -524,20 +524,44 @@ output_tokens_p95 = 20
         .exists());
 }
 
-/// `envelope sweep` of `workload` (TOML) against `envelope serve` on
-/// dummy:tiny started with `server_args`: one tiny bucket, then the
-/// workload search with the `[load]` lines `load` and the `[slo]` lines
-/// `slo`. Returns the output directory's parent and the profile.
+/// The server a workload sweep runs against.
+enum Upstream<'a> {
+    /// `envelope serve --model dummy:tiny` with these arguments.
+    Serve(&'a [&'a str]),
+    /// envelope serve's app in process on dummy:tiny, steps slowed
+    /// ([`common::SlowServer`]): KV pool bytes, most sequences, ms a
+    /// sequence a step.
+    Slow(usize, usize, u64),
+}
+
+/// `envelope sweep` of `workload` (TOML) against `upstream` serving
+/// dummy:tiny as `tiny`: one tiny bucket, then the workload search with
+/// the `[load]` lines `load` and the `[slo]` lines `slo`. Returns the
+/// output directory's parent and the profile.
 fn workload_sweep(
     name: &str,
-    server_args: &[&str],
+    upstream: Upstream,
     workload: &str,
     load: &str,
     slo: &str,
 ) -> (PathBuf, Value) {
-    let mut args = vec!["--model", "dummy:tiny", "--served-model-name", "tiny"];
-    args.extend_from_slice(server_args);
-    let server = common::Server::start(&args);
+    // Either server lives until the sweep is done (the in-process one on
+    // a runtime of its own).
+    let (_process, _in_process, base) = match upstream {
+        Upstream::Serve(server_args) => {
+            let mut args = vec!["--model", "dummy:tiny", "--served-model-name", "tiny"];
+            args.extend_from_slice(server_args);
+            let s = common::Server::start(&args);
+            let base = s.base.clone();
+            (Some(s), None, base)
+        }
+        Upstream::Slow(kv_bytes, seqs, ms) => {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let s = rt.block_on(common::SlowServer::start_named("tiny", kv_bytes, seqs, ms));
+            let base = s.base.clone();
+            (None, Some((s, rt)), base)
+        }
+    };
     let d = out_dir(name);
     let w = d.join("workload.toml");
     std::fs::write(&w, workload).unwrap();
@@ -560,7 +584,7 @@ workload = "{}"
 [slo]
 {slo}
 "#,
-        server.base,
+        base,
         w.display()
     );
     let (_, profile) = sweep(&d, &cfg);

@@ -2,7 +2,7 @@
 //! machine, and the metrics adapter on `envelope serve`'s live `/metrics`
 //! under load.
 
-mod common;
+use crate::common;
 
 use common::{smollm2, Server};
 use envelope_telemetry::{fetch_engine_state, EngineKind};

@@ -10,7 +10,7 @@
 //!   (compute_90 PTX runs on Hopper and newer, compute_80 on Ampere and Ada).
 //!   `kernels/ptx/SOURCES` holds the SHA-256 of every source it was made
 //!   from, checked by a unit test, and where NVRTC is installed the files
-//!   must equal its output byte for byte (`tests/nvrtc_compile.rs`).
+//!   must equal its output byte for byte (`tests/it/nvrtc_compile.rs`).
 //! - GEMMs: cuBLAS / cuBLASLt when they load, otherwise the tensor-core
 //!   kernels of `kernels/gemm.cu`.
 //!

@@ -5,7 +5,7 @@
 //! `mma.sync.m16n8k16`), into a shared library that is loaded and launched
 //! with the same grid, block and arguments as on a GPU. A fake CUDA driver
 //! ([`Emulator::driver`]) runs every launch of a process on them, so the
-//! GPU self-test (`envelope cuda-selftest --emulate`, `tests/kernel_emu.rs`)
+//! GPU self-test (`envelope cuda-selftest --emulate`, `tests/it/kernel_emu.rs`)
 //! and the engine's CUDA backend run unchanged through cudarc and
 //! [`crate::runtime`], and every kernel's own source is executed and
 //! checked against its CPU reference on machines without a GPU, CI

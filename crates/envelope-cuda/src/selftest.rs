@@ -8,7 +8,7 @@
 //! It has never run on a GPU at the time of writing (no GPU was lent). In
 //! CI the same cases run on the fake CUDA driver of [`crate::emu`] (every
 //! launch on the CPU-emulated kernels: `envelope cuda-selftest --emulate`,
-//! `tests/kernel_emu.rs`); the CPU side of it (the references, the
+//! `tests/it/kernel_emu.rs`); the CPU side of it (the references, the
 //! comparison, the dtype rounding) is unit-tested here.
 //!
 //! The case groups: `elementwise` (the layer operations), `gemm`

@@ -123,6 +123,17 @@ impl envelope_engine::engine::StepRunner for SleepingSteps {
 
 impl SlowServer {
     pub async fn start(kv_bytes: usize, max_num_seqs: usize, ms_per_seq: u64) -> SlowServer {
+        SlowServer::start_named("", kv_bytes, max_num_seqs, ms_per_seq).await
+    }
+
+    /// As [`SlowServer::start`], serving the model as `name` (the model's
+    /// own name when empty).
+    pub async fn start_named(
+        name: &str,
+        kv_bytes: usize,
+        max_num_seqs: usize,
+        ms_per_seq: u64,
+    ) -> SlowServer {
         use envelope_engine::engine::{Engine, EngineHandle};
         use envelope_engine::settings::{EngineConfig, KvBudget, Placement};
         let opts = envelope_engine::LoadOptions {
@@ -137,7 +148,10 @@ impl SlowServer {
         let (engine, template) = Engine::load("dummy:tiny", &opts, Placement::Cpu, &cfg).unwrap();
         let engine = engine.wrap_runner(|inner| Box::new(SleepingSteps { inner, ms_per_seq }));
         let handle = EngineHandle::spawn_engine(engine, template).unwrap();
-        let name = handle.info.model.name.clone();
+        let name = match name {
+            "" => handle.info.model.name.clone(),
+            n => n.to_string(),
+        };
         let state = envelope_server::AppState::new(handle.clone(), name);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());

@@ -11,7 +11,7 @@
 //!   we require the same argmax, cosine similarity >= 0.998,
 //!   max |diff| <= 5% of max |logit|, and the same 16 greedy tokens.
 
-mod common;
+use crate::common;
 
 use candle_core::{Device, Tensor};
 use envelope_engine::engine::prompt_logits;

@@ -2,7 +2,7 @@
 //! llama.cpp, logits against candle-transformers' quantized_llama, and
 //! batched generation against one-at-a-time generation.
 
-mod common;
+use crate::common;
 
 use envelope_engine::*;
 use std::sync::OnceLock;

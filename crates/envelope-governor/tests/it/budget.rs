@@ -2,7 +2,7 @@
 //! against the TTFT budget (shed, or queue by configuration), and a request
 //! beyond the largest measured bucket admitted alone when configured so.
 
-mod common;
+use crate::common;
 
 use common::*;
 use envelope_governor::{Beyond, OverBudget};

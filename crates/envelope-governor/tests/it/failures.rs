@@ -2,7 +2,7 @@
 //! upstream (down, hanging, dying mid-stream: 502/504 or an SSE error
 //! event, and the reservation released either way). Draining refuses 503.
 
-mod common;
+use crate::common;
 
 use common::*;
 use futures::StreamExt;

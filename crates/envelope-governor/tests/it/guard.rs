@@ -1,7 +1,7 @@
 //! The live guard's ladder against the fake's /metrics, tenants' shares,
 //! the estimate label, /metrics and the admin endpoints, and reload.
 
-mod common;
+use crate::common;
 
 use common::*;
 use envelope_governor::{live, Level, TenantsFile, TokenCounter};

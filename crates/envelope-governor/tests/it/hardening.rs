@@ -4,7 +4,7 @@
 //! admission, holds connections or requests open, reaches the upstream's
 //! other paths, or outlives a reload or a drain.
 
-mod common;
+use crate::common;
 
 use common::*;
 use envelope_governor::{Settings, TenantsFile, TokenCounter};

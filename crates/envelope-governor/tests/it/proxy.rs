@@ -2,7 +2,7 @@
 //! streaming, the caps (context, output, concurrency, KV), the queue and
 //! its refusals, release on completion, error and client disconnect.
 
-mod common;
+use crate::common;
 
 use common::*;
 use futures::StreamExt;
