@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Added latency of a budget decision (issue #19): one `decide` over four
+# Added latency of a budget decision: one `decide` over four
 # buckets, in process and in a real redis-server on loopback (started
 # here, on a free port, and stopped at the end), 1 and 16 callers at once.
 # Prints p50/p99 (us) and decisions/s with the machine. Not a timed test.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue #7, for a machine with an NVIDIA driver
+# The prepared GPU check, for a machine with an NVIDIA driver
 # (R580+, CUDA 13.0): it needs the release binary and nothing else. No CUDA
 # toolkit: without NVRTC the kernels load from the PTX embedded in the binary
 # and without cuBLAS the GEMMs run on kernels/gemm.cu (where the toolkit or

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The precision gate of issue #6 on this machine: SmolLM2-135M on the
+# The precision gate on this machine: SmolLM2-135M on the
 # embedded CPU engine at f16 (baseline), q8_0 and q4_0 (candidates).
 # For each precision: a one-bucket sweep (bench-configs/gates/cpu-smollm2.toml
 # with that precision), then `envelope quality` against f32 written into the

@@ -1,4 +1,4 @@
-"""Sustained overload with the real model (issues #5 and #14): goodput through
+"""Sustained overload with the real model: goodput through
 the governor against the profile's own throughput at its safe points, per
 request shape.
 

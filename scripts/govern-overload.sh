@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Overload demonstration (issue #5), as a table: `envelope serve` with a
+# Overload demonstration, as a table: `envelope serve` with a
 # small KV pool (dummy:tiny, 512 KiB = 1024 tokens), a profile whose safe
 # concurrency is 4 (48 + 192 tokens per request), and 4x that many
 # concurrent completions, first directly, then through `envelope govern`.

@@ -243,5 +243,5 @@ for key, name in [("nginx", "nginx proxy_pass"), ("bare", "bare hyper proxy (the
     r99 = a99 / pn99 if pn99 > 0 else float("inf")
     print(f"| {name} | {a50 / 1000:.3f} | {a99 / 1000:.3f} | {r50:.2f} / {r99:.2f} | {int(err)} |")
 print()
-print("targets (issue #16): added p50 and p99 at most 1.5x nginx's, req/s at least 0.8x nginx's")
+print("targets: added p50 and p99 at most 1.5x nginx's, req/s at least 0.8x nginx's")
 EOF

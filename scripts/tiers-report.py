@@ -1,4 +1,4 @@
-"""Model tiers against one large tier, on a mixed agent workload (issue #18).
+"""Model tiers against one large tier, on a mixed agent workload.
 
 Two real upstreams of the same model at two precisions stand in for a cheap
 and an expensive tier: `small` is SmolLM2-135M served at q8_0, `large` the

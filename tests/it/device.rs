@@ -1,4 +1,4 @@
-//! `--device cpu|cuda[:N]|auto` (issue #7) through the binary. On a machine
+//! `--device cpu|cuda[:N]|auto` through the binary. On a machine
 //! without a GPU (CI), `cuda` exits non-zero naming the reason and `auto`
 //! runs on the CPU and says it fell back. On a GPU machine those two tests
 //! have nothing to check and say so (scripts/device-check.sh runs the GPU).

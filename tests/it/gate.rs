@@ -1,5 +1,5 @@
 //! `envelope gate` and `envelope quality` end to end: exit 0 on pass, 1 on
-//! a failed rule, 2 on unusable input (issue #6).
+//! a failed rule, 2 on unusable input.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,5 +1,5 @@
 //! `envelope govern` in front of a real `envelope serve` (dummy:tiny, a
-//! small KV pool): the overload demonstration (issue #5) — driven directly
+//! small KV pool): the overload demonstration — driven directly
 //! at 4x the profile's safe concurrency the server preempts; through the
 //! governor it does not, and the excess gets 429 with Retry-After — plus
 //! context-length refusals, hot reload and drain on SIGTERM.

@@ -1,4 +1,4 @@
-//! Budgets over time (`--budgets`, issue #19), black-box: requests and
+//! Budgets over time (`--budgets`), black-box: requests and
 //! tokens per minute reserved at admission and settled at the end, 429
 //! with Retry-After from the refill time, `x-ratelimit-*` headers; shared
 //! by three governor replicas through a real `redis-server`; Redis stopped

@@ -4,7 +4,7 @@
 //! measured for them and a mix stays inside the envelope; a server without
 //! `/metrics` is served, not bricked; a server slower than its profile is
 //! held to the SLOs by the latency guard, the excess getting 429 with
-//! Retry-After (issue #14).
+//! Retry-After.
 
 use crate::common;
 

@@ -3,7 +3,7 @@
 //! by each signal, escalation of an invalid-JSON answer, fallback from a
 //! saturated tier before any 429, the cache for deterministic calls only,
 //! shadow agreement, costs that add up to the tokens served, and reload
-//! and rollback of the tiers file (issue #18).
+//! and rollback of the tiers file.
 
 use crate::common;
 

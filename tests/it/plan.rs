@@ -1,5 +1,5 @@
 //! `envelope plan` on the committed CPU quickstart profile and the example
-//! workloads (issue #6): the table carries the demand arithmetic, the
+//! workloads: the table carries the demand arithmetic, the
 //! supply read from the profile, and the replicas per scenario.
 
 use crate::common;
@@ -107,7 +107,7 @@ fn plan_errors_name_the_file_and_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Plans checked by replay (issue #15): a profile of SmolLM2 swept here
+/// Plans checked by replay: a profile of SmolLM2 swept here
 /// through the http target of `envelope serve` (so supply and replay are
 /// the same machine's), the quickstart workload planned on it and replayed
 /// at one replica's share: confirmed. The same workload claiming that its

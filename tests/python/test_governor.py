@@ -1,5 +1,5 @@
 """The official `openai` Python client through `envelope govern` in front of
-`envelope serve` (issue #5): refusals arrive as the client's typed errors,
+`envelope serve`: refusals arrive as the client's typed errors,
 `RateLimitError` carries Retry-After and the client honours it, and a
 request that can never fit is a `BadRequestError` with code
 `context_length_exceeded` (never retried).

@@ -1,4 +1,4 @@
-//! envelope's CUDA runtime (issue #7): device discovery, runtime-compiled
+//! envelope's CUDA runtime: device discovery, runtime-compiled
 //! kernels, GEMMs and the GPU self-test, built and tested without a GPU.
 //!
 //! - [`device`]: [`Device::open`] finds the driver and the GPU, or returns

@@ -1,4 +1,4 @@
-//! Sizing the GPU KV pool (issue #7: "from NVML free memory and a
+//! Sizing the GPU KV pool ("from NVML free memory and a
 //! utilisation fraction, or an explicit byte budget"), as vLLM's
 //! `gpu_memory_utilization` does: the process may grow the device's total
 //! use to `utilization x total`; what others already use, the weights and

@@ -1,4 +1,4 @@
-//! Admission against the measured envelope (issue #14): queue wait counted
+//! Admission against the measured envelope: queue wait counted
 //! against the TTFT budget (shed, or queue by configuration), and a request
 //! beyond the largest measured bucket admitted alone when configured so.
 

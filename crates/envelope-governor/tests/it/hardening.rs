@@ -1,4 +1,4 @@
-//! Ways around the envelope (issue #16), each tried from outside: a client
+//! Ways around the envelope, each tried from outside: a client
 //! that names another tenant or class, hides prompt or output tokens in
 //! fields the governor did not read, makes the governor work before
 //! admission, holds connections or requests open, reaches the upstream's

@@ -1,4 +1,4 @@
-//! The worked arithmetic of capacity planning (issue #6), reproduced exactly,
+//! The worked arithmetic of capacity planning, reproduced exactly,
 //! and the supply/scenario logic on a synthetic profile.
 
 use super::*;
