@@ -37,6 +37,7 @@ def crates():
         src = os.path.join(ROOT, "crates", name, "src")
         if os.path.isdir(src):
             out.append((name, src))
+    out.append(("envelope-kernels", os.path.join(ROOT, "kernels", "src")))
     out.append(("envelope (bin)", os.path.join(ROOT, "src")))
     return out
 

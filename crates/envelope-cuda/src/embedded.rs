@@ -30,7 +30,7 @@ pub const ARCHS: [&str; 2] = ["compute_80", "compute_90"];
 pub const NVRTC: (i32, i32) = (13, 0);
 
 /// `kernels/ptx/SOURCES`: `<file> <sha256>` per line, `#` comments.
-pub const SOURCES: &str = include_str!("../../../kernels/ptx/SOURCES");
+pub const SOURCES: &str = envelope_kernels::PTX_SOURCES;
 
 /// The embedded architecture for a device of compute capability `cc`: the
 /// newest one not newer than the device (PTX is forward compatible).

@@ -1,5 +1,5 @@
 //! The kernels of `kernels/` run on the CPU: each `.cu` file is compiled by
-//! the host C++ compiler (`c++`, or `$CXX`) against `emu/emu.h`, a small
+//! the host C++ compiler (`c++`, or `$CXX`) against `kernels/emu/emu.h`, a small
 //! emulation of the CUDA subset the kernels use (threads as fibers switched
 //! at barriers, shared memory, warp shuffles, f16/bf16/fp8 conversions,
 //! `mma.sync.m16n8k16`), into a shared library that is loaded and launched
@@ -27,12 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 /// The emulation header and the CUDA headers it stands in for.
-const EMU_HEADERS: &[(&str, &str)] = &[
-    ("emu.h", include_str!("../emu/emu.h")),
-    ("cuda_fp16.h", include_str!("../emu/cuda_fp16.h")),
-    ("cuda_bf16.h", include_str!("../emu/cuda_bf16.h")),
-    ("cuda_fp8.h", include_str!("../emu/cuda_fp8.h")),
-];
+use envelope_kernels::EMU_HEADERS;
 
 /// The start of the name the fake driver gives its one device.
 pub const DEVICE_NAME: &str = "envelope CPU emulator";
@@ -42,7 +37,7 @@ static BUILDS: AtomicUsize = AtomicUsize::new(0);
 
 /// The fake CUDA driver (`libcuda.so.1`) that runs launches on the
 /// emulated kernels: see [`Emulator::driver`].
-const FAKE_DRIVER: &str = include_str!("../emu/fake_cuda.cpp");
+const FAKE_DRIVER: &str = envelope_kernels::EMU_DRIVER;
 
 /// Compiler flags: no FMA contraction (the CPU references round each
 /// operation), type punning as the kernels do it (`*(const u32*)p`).

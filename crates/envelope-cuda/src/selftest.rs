@@ -110,7 +110,7 @@ pub fn run(ordinal: usize, out_dir: &Path, extra: serde_json::Value) -> Report {
     rep.arch = Some(device.arch());
     if device.info.name.starts_with(crate::emu::DEVICE_NAME) {
         rep.emulated = Some(format!(
-            "the fake CUDA driver of crates/envelope-cuda/emu (every launch on the CPU-emulated kernels{})",
+            "the fake CUDA driver of kernels/emu (every launch on the CPU-emulated kernels{})",
             std::env::var("ENVELOPE_EMU_DIR")
                 .map(|d| format!(" in {d}"))
                 .unwrap_or_default()
