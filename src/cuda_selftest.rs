@@ -170,35 +170,36 @@ fn write_json(path: &std::path::Path, v: &impl serde::Serialize) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// A CSV file written a row at a time and flushed after each, so a run
-/// stopped part-way (a timeout) leaves the rows it measured.
+/// A CSV file written row by row through the csv crate (which quotes a
+/// field holding a comma, quote or line break), each row flushed as it is
+/// written, so a run killed part-way leaves every row it finished.
 struct CsvOut {
     path: std::path::PathBuf,
-    file: std::io::BufWriter<std::fs::File>,
-    error: Option<std::io::Error>,
+    w: csv::Writer<std::fs::File>,
+    error: Option<csv::Error>,
 }
 
 impl CsvOut {
-    fn create(path: &std::path::Path, header: &str) -> Result<Self> {
+    fn create(path: &std::path::Path, header: &[&str]) -> Result<Self> {
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
-        let file =
-            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        let w =
+            csv::Writer::from_path(path).with_context(|| format!("creating {}", path.display()))?;
         let mut out = CsvOut {
             path: path.to_path_buf(),
-            file: std::io::BufWriter::new(file),
+            w,
             error: None,
         };
         out.row(header);
         Ok(out)
     }
 
-    /// Appends one line; the first write error is kept for `finish`.
-    fn row(&mut self, line: &str) {
-        use std::io::Write;
+    /// Appends one row; the first write error is kept for `finish`.
+    fn row<T: AsRef<[u8]>>(&mut self, fields: impl IntoIterator<Item = T>) {
         if self.error.is_none() {
-            if let Err(e) = writeln!(self.file, "{line}").and_then(|_| self.file.flush()) {
+            let written = self.w.write_record(fields);
+            if let Err(e) = written.and_then(|()| self.w.flush().map_err(csv::Error::from)) {
                 self.error = Some(e);
             }
         }
@@ -210,11 +211,6 @@ impl CsvOut {
             None => Ok(()),
         }
     }
-}
-
-/// A free-text CSV field: commas and line breaks would split the row.
-fn csv_field(s: &str) -> String {
-    s.replace([',', '\n', '\r'], ";")
 }
 
 fn models(args: &CudaSelftestArgs) -> Result<()> {
@@ -280,7 +276,19 @@ fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
     );
     let mut csv = CsvOut::create(
         &args.out.join("gemm-bench.csv"),
-        "shape,dtype,path,rows,inner,out,calls,us_per_call,tflops,weight_gb_per_s,error",
+        &[
+            "shape",
+            "dtype",
+            "path",
+            "rows",
+            "inner",
+            "out",
+            "calls",
+            "us_per_call",
+            "tflops",
+            "weight_gb_per_s",
+            "error",
+        ],
     )?;
     println!(
         "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11} {:>8} {:>9}",
@@ -303,20 +311,19 @@ fn gemm_bench(args: &CudaSelftestArgs) -> Result<()> {
                 .map(|e| format!(" ERROR {e}"))
                 .unwrap_or_default()
         );
-        csv.row(&format!(
-            "{},{},{},{},{},{},{},{:.2},{:.3},{:.1},{}",
-            p.shape,
-            p.dtype,
-            p.path,
-            p.rows,
-            p.inner,
-            p.out,
-            p.calls,
-            p.us_per_call,
-            p.tflops,
-            p.weight_gb_per_s,
-            csv_field(p.error.as_deref().unwrap_or(""))
-        ));
+        csv.row([
+            p.shape.to_string(),
+            p.dtype.to_string(),
+            p.path.to_string(),
+            p.rows.to_string(),
+            p.inner.to_string(),
+            p.out.to_string(),
+            p.calls.to_string(),
+            format!("{:.2}", p.us_per_call),
+            format!("{:.3}", p.tflops),
+            format!("{:.1}", p.weight_gb_per_s),
+            p.error.clone().unwrap_or_default(),
+        ]);
     });
     csv.finish()?;
     write_json(
@@ -340,7 +347,18 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
     let mut runs = Vec::new();
     let mut csv = CsvOut::create(
         &args.out.join("bench-cuda.csv"),
-        "model,precision,phase,batch,context,steps,seconds,tok_per_s,ms_per_step,note",
+        &[
+            "model",
+            "precision",
+            "phase",
+            "batch",
+            "context",
+            "steps",
+            "seconds",
+            "tok_per_s",
+            "ms_per_step",
+            "note",
+        ],
     )?;
     println!(
         "{:<22} {:<5} {:<13} {:>5} {:>6} {:>12} {:>10}",
@@ -374,19 +392,18 @@ fn bench(args: &CudaSelftestArgs) -> Result<()> {
                         .map(|n| format!("  {}", n.rsplit("; ").next().unwrap_or(n)))
                         .unwrap_or_default()
                 );
-                csv.row(&format!(
-                    "{},{},{},{},{},{},{:.6},{:.2},{:.3},{}",
-                    q.model,
-                    q.precision.as_str(),
-                    q.phase,
-                    q.batch,
-                    q.context,
-                    q.steps,
-                    q.seconds,
-                    q.tok_per_s,
-                    q.ms_per_step,
-                    csv_field(q.note.as_deref().unwrap_or(""))
-                ));
+                csv.row([
+                    q.model.to_string(),
+                    q.precision.as_str().to_string(),
+                    q.phase.to_string(),
+                    q.batch.to_string(),
+                    q.context.to_string(),
+                    q.steps.to_string(),
+                    format!("{:.6}", q.seconds),
+                    format!("{:.2}", q.tok_per_s),
+                    format!("{:.3}", q.ms_per_step),
+                    q.note.clone().unwrap_or_default(),
+                ]);
             },
         );
         println!(
@@ -422,16 +439,21 @@ mod tests {
     fn csv_rows_are_on_disk_as_soon_as_they_are_written() {
         let dir = std::env::temp_dir().join(format!("envelope-csvout-{}", std::process::id()));
         let path = dir.join("sub/points.csv");
-        let mut csv = CsvOut::create(&path, "a,b").unwrap();
-        csv.row(&format!("1,{}", csv_field("x, y\nz")));
-        // Read before finish (as after a kill): the header and row are there.
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "a,b\n1,x; y;z\n");
-        csv.row("2,w");
+        let mut csv = CsvOut::create(&path, &["a", "b"]).unwrap();
+        csv.row(["1", "x, \"y\"\nz"]);
+        let read = || -> Vec<Vec<String>> {
+            csv::Reader::from_path(&path)
+                .unwrap()
+                .records()
+                .map(|r| r.unwrap().iter().map(str::to_string).collect())
+                .collect()
+        };
+        // Read before finish (as after a kill): the row is there, whole,
+        // its comma, quotes and line break inside the one field.
+        assert_eq!(read(), vec![vec!["1", "x, \"y\"\nz"]]);
+        csv.row(["2", "w"]);
         csv.finish().unwrap();
-        assert_eq!(
-            std::fs::read_to_string(&path).unwrap(),
-            "a,b\n1,x; y;z\n2,w\n"
-        );
+        assert_eq!(read(), vec![vec!["1", "x, \"y\"\nz"], vec!["2", "w"]]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

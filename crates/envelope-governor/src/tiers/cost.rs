@@ -100,32 +100,55 @@ impl Book {
 
     /// The book as CSV, a row per feature and tier.
     pub fn csv(&self) -> String {
-        let mut out = String::from(
-            "feature,tier,calls,attempts,escalations,fallbacks,cache_hits,refusals,shadows,shadow_cost,input_tokens,cached_input_tokens,output_tokens,cost,mean_latency_ms\n",
-        );
+        let mut w = csv::Writer::from_writer(Vec::new());
+        let mut put = |fields: &[&str]| {
+            // Into a Vec: nothing to fail but the CSV itself, which the
+            // crate writes for any text.
+            let _ = w.write_record(fields);
+        };
+        put(&[
+            "feature",
+            "tier",
+            "calls",
+            "attempts",
+            "escalations",
+            "fallbacks",
+            "cache_hits",
+            "refusals",
+            "shadows",
+            "shadow_cost",
+            "input_tokens",
+            "cached_input_tokens",
+            "output_tokens",
+            "cost",
+            "mean_latency_ms",
+        ]);
         for ((f, t), r) in &self.rows {
             let mean = if r.calls > 0 {
                 r.latency_ms_sum / r.calls as f64
             } else {
                 0.0
             };
-            out.push_str(&format!(
-                "{f},{t},{},{},{},{},{},{},{},{:.9},{},{},{},{:.9},{mean:.1}\n",
-                r.calls,
-                r.attempts,
-                r.escalations,
-                r.fallbacks,
-                r.cache_hits,
-                r.refusals,
-                r.shadows,
-                r.shadow_cost,
-                r.input_tokens,
-                r.cached_input_tokens,
-                r.output_tokens,
-                r.cost
-            ));
+            put(&[
+                f,
+                t,
+                &r.calls.to_string(),
+                &r.attempts.to_string(),
+                &r.escalations.to_string(),
+                &r.fallbacks.to_string(),
+                &r.cache_hits.to_string(),
+                &r.refusals.to_string(),
+                &r.shadows.to_string(),
+                &format!("{:.9}", r.shadow_cost),
+                &r.input_tokens.to_string(),
+                &r.cached_input_tokens.to_string(),
+                &r.output_tokens.to_string(),
+                &format!("{:.9}", r.cost),
+                &format!("{mean:.1}"),
+            ]);
         }
-        out
+        let bytes = w.into_inner().unwrap_or_default();
+        String::from_utf8(bytes).unwrap_or_default()
     }
 }
 
