@@ -223,9 +223,7 @@ fn bucket_seqs(state: &Value, label: &str) -> u64 {
 }
 
 fn p95(mut v: Vec<f64>) -> f64 {
-    assert!(!v.is_empty());
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1]
+    envelope_profile::stats::nearest_rank(&mut v, 0.95).expect("samples")
 }
 
 /// 1024 tokens of f32 KV for dummy:tiny (512 bytes a token).

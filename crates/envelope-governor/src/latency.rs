@@ -147,13 +147,7 @@ pub struct LatencyGuard {
 }
 
 fn p95(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let i = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
-    // The i-th smallest, found without sorting all (a judgement looks at
-    // up to MAX_SAMPLES samples, three times).
-    Some(*v.select_nth_unstable_by(i, f64::total_cmp).1)
+    envelope_profile::stats::nearest_rank(&mut v, 0.95)
 }
 
 const MAX_SAMPLES: usize = 8192;

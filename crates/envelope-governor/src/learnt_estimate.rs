@@ -60,9 +60,8 @@ impl LearntEstimate {
         if ratios.len() < MIN_SAMPLES {
             return;
         }
-        let mut sorted: Vec<f64> = ratios.iter().copied().collect();
-        let k = ((sorted.len() - 1) as f64 * PERCENTILE).floor() as usize;
-        let (_, low, _) = sorted.select_nth_unstable_by(k, f64::total_cmp);
+        let mut all: Vec<f64> = ratios.iter().copied().collect();
+        let low = envelope_profile::stats::nearest_rank(&mut all, PERCENTILE).unwrap_or(1.0);
         self.current
             .store(low.max(1.0).to_bits(), Ordering::Relaxed);
     }

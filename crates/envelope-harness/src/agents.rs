@@ -11,8 +11,8 @@
 use crate::config::AgentLoad;
 use crate::load::{open_schedule, ProbeRun};
 use crate::record::{Driver, LoadRequest, RequestRecord};
-use crate::stats::percentiles;
 use envelope_profile::workload::TaskClass;
+use envelope_profile::Percentiles;
 use envelope_profile::{ClassSummary, Slo};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -219,11 +219,15 @@ fn holds(recs: &[&RequestRecord], slo: &Slo) -> bool {
         .collect();
     let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_s * 1e3).collect();
     errors <= slo.max_error_rate
-        && slo.ttft_p95_ms.is_none_or(|t| percentiles(&ttft).p95 <= t)
+        && slo
+            .ttft_p95_ms
+            .is_none_or(|t| Percentiles::of(&ttft).p95 <= t)
         && slo
             .itl_p95_ms
-            .is_none_or(|t| itl.is_empty() || percentiles(&itl).p95 <= t)
-        && slo.e2e_p99_ms.is_none_or(|t| percentiles(&e2e).p99 <= t)
+            .is_none_or(|t| itl.is_empty() || Percentiles::of(&itl).p95 <= t)
+        && slo
+            .e2e_p99_ms
+            .is_none_or(|t| Percentiles::of(&e2e).p99 <= t)
 }
 
 /// Whether one request alone missed an SLO: failed, or its TTFT, its own
@@ -237,7 +241,7 @@ fn missed(r: &RequestRecord, slo: &Slo) -> bool {
             .is_some_and(|t| r.ttft_s.is_none_or(|x| x * 1e3 > t))
         || slo
             .itl_p95_ms
-            .is_some_and(|t| !itl.is_empty() && percentiles(&itl).p95 > t)
+            .is_some_and(|t| !itl.is_empty() && Percentiles::of(&itl).p95 > t)
 }
 
 /// After an overload that ended at `switch_s`: the recovery time, from the
@@ -308,18 +312,18 @@ pub fn class_summaries(a: &AgentLoad, run: &ProbeRun) -> BTreeMap<String, ClassS
                 } else {
                     recs.iter().map(|r| r.input_tokens as f64).sum::<f64>() / recs.len() as f64
                 },
-                ttft_ms: percentiles(
+                ttft_ms: Percentiles::of(
                     &ok.iter()
                         .filter_map(|r| r.ttft_s.map(ms))
                         .collect::<Vec<_>>(),
                 ),
-                itl_ms: percentiles(
+                itl_ms: Percentiles::of(
                     &ok.iter()
                         .flat_map(|r| r.itl_s.iter().map(|v| ms(*v)))
                         .collect::<Vec<_>>(),
                 ),
-                e2e_ms: percentiles(&ok.iter().map(|r| ms(r.e2e_s)).collect::<Vec<_>>()),
-                run_e2e_ms: percentiles(
+                e2e_ms: Percentiles::of(&ok.iter().map(|r| ms(r.e2e_s)).collect::<Vec<_>>()),
+                run_e2e_ms: Percentiles::of(
                     &spans.values().map(|(a, b)| ms(b - a)).collect::<Vec<_>>(),
                 ),
             },

@@ -16,7 +16,6 @@ pub mod quality;
 pub mod record;
 pub mod replay;
 pub mod report;
-pub mod stats;
 pub mod sweep;
 pub mod truth;
 

@@ -158,13 +158,7 @@ impl Scores {
 }
 
 fn p95(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((0.95 * s.len() as f64).ceil() as usize).clamp(1, s.len());
-    s[rank - 1]
+    envelope_profile::stats::nearest_rank(&mut v.to_vec(), 0.95).unwrap_or(0.0)
 }
 
 /// Measures `precision` of `spec` on `text` (named `text_set` in the

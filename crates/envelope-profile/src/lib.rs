@@ -9,6 +9,7 @@ pub mod plan;
 pub mod quality;
 pub mod schema;
 pub mod search;
+pub mod stats;
 pub mod workload;
 
 pub use quality::QualityReport;

@@ -6,8 +6,8 @@
 use crate::config::{Bucket, LoadConfig};
 use crate::load::ProbeRun;
 use crate::record::RequestRecord;
-use crate::stats::percentiles;
 use envelope_profile::capacity::with_headroom;
+use envelope_profile::Percentiles;
 use envelope_profile::{Bracket, BucketResult, ConfigResult, Constraint, ProbeSummary, Slo};
 
 /// Summarises a probe and checks it against the SLOs (and, for its
@@ -47,10 +47,10 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
         errors: (run.records.len() - ok.len() - refused) as u64,
         refused: refused as u64,
         duration_s: run.duration_s,
-        ttft_ms: percentiles(&ttft),
-        itl_ms: percentiles(&itl),
-        tpot_ms: percentiles(&tpot),
-        e2e_ms: percentiles(&e2e),
+        ttft_ms: Percentiles::of(&ttft),
+        itl_ms: Percentiles::of(&itl),
+        tpot_ms: Percentiles::of(&tpot),
+        e2e_ms: Percentiles::of(&e2e),
         // Per-request prefill rate, summed over the concurrent requests.
         prefill_tok_per_s: in_tokens as f64 / prefill_time * concurrency as f64,
         decode_tok_per_s: out_tokens.saturating_sub(ok.len() as u64) as f64 / d,
@@ -70,7 +70,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
         // open; a load generator using over 90% of the cores measured itself.
         client_cpu_fraction: run.client_cpu_fraction,
         valid: run.max_client_gap_s
-            < (0.25 * percentiles(&e2e).p50).max(load.max_client_gap_ms) / 1e3
+            < (0.25 * Percentiles::of(&e2e).p50).max(load.max_client_gap_ms) / 1e3
             && run.late_fraction <= load.max_late_fraction
             && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
         error_reasons: crate::truth::reasons(&run.records),
