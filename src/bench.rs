@@ -84,7 +84,7 @@ pub fn run(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
 }
 
 fn run_in_pool(args: &BenchArgs, placement: Placement) -> Result<BenchReport> {
-    let mut cfg = args.engine.engine_config(placement)?;
+    let mut cfg = args.engine.engine_settings(placement)?;
     let max_c = args.concurrency.iter().copied().max().unwrap_or(1);
     cfg.scheduler.max_num_seqs = cfg.scheduler.max_num_seqs.max(max_c);
     cfg.scheduler.max_num_batched_tokens = cfg

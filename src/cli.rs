@@ -4,7 +4,7 @@
 use anyhow::Result;
 use clap::{ArgAction, Args, Parser, Subcommand};
 use envelope_engine::{
-    BatchPolicy, EngineConfig, KvBudget, KvDtype, LoadOptions, Placement, Precision,
+    BatchPolicy, EngineSettings, KvBudget, KvDtype, LoadOptions, Placement, Precision,
     SchedulerConfig,
 };
 use std::path::PathBuf;
@@ -71,7 +71,7 @@ pub struct CudaSelftestArgs {
     pub gemm_bench: bool,
     /// On the CPU-emulated GPU instead of a device: every kernel file
     /// compiled by the host C++ compiler (c++, or $CXX) against
-    /// crates/envelope-cuda/emu/emu.h, and a fake CUDA driver (libcuda.so.1)
+    /// kernels/emu/emu.h, and a fake CUDA driver (libcuda.so.1)
     /// that runs each launch on them; the command then runs again on that
     /// driver, through the same runtime, cases and tolerances as on a GPU
     /// (with --models, --bench or --gemm-bench: those). No GPU, driver or
@@ -230,9 +230,9 @@ impl EngineArgs {
     }
 
     /// The flags as the engine's settings, checked by the engine's own
-    /// [`EngineConfig::validate`] before any model is loaded.
-    pub fn engine_config(&self, placement: Placement) -> Result<EngineConfig> {
-        let cfg = EngineConfig {
+    /// [`EngineSettings::validate`] before any model is loaded.
+    pub fn engine_settings(&self, placement: Placement) -> Result<EngineSettings> {
+        let cfg = EngineSettings {
             kv_dtype: envelope_engine::device::kv_dtype(placement, self.precision, self.kv_dtype),
             kv_budget: match self.kv_cache_bytes {
                 Some(b) => KvBudget::Bytes(b),
@@ -363,7 +363,7 @@ mod tests {
         let Command::Serve(s) = cli.command else {
             panic!()
         };
-        let c = s.engine.engine_config(Placement::Cpu).unwrap();
+        let c = s.engine.engine_settings(Placement::Cpu).unwrap();
         assert_eq!(c.scheduler.policy, BatchPolicy::Static);
         assert!(!c.scheduler.chunked_prefill);
         assert_eq!(c.kv_budget, KvBudget::Bytes(64 << 20));
@@ -389,7 +389,7 @@ mod tests {
             let Command::Serve(s) = cli.command else {
                 panic!()
             };
-            let e = s.engine.engine_config(Placement::Cpu).unwrap_err();
+            let e = s.engine.engine_settings(Placement::Cpu).unwrap_err();
             assert!(e.to_string().contains(field), "{flag}: {e}");
         }
     }

@@ -91,7 +91,7 @@ fn run(cli: Cli) -> Result<()> {
                 &args.engine.model,
                 &args.engine.load_options(),
                 placement,
-                &args.engine.engine_config(placement)?,
+                &args.engine.engine_settings(placement)?,
             )
             .with_context(|| format!("loading --model {}", args.engine.model))?;
             let text = if args.chat {
@@ -125,7 +125,7 @@ fn run(cli: Cli) -> Result<()> {
 fn serve(args: cli::ServeArgs) -> Result<()> {
     let placement = args.engine.placement()?;
     args.engine.apply_threads();
-    let cfg = args.engine.engine_config(placement)?;
+    let cfg = args.engine.engine_settings(placement)?;
     let handle = EngineHandle::load_and_spawn(
         &args.engine.model,
         &args.engine.load_options(),

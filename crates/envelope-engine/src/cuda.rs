@@ -26,6 +26,7 @@ pub use graphs::GraphStats;
 pub use meta::StepMeta;
 pub use precision::{
     activation_bytes, activation_dtype, check_runs_on_cuda, default_kv_dtype, kv_dtype,
+    weight_bytes,
 };
 use upload::Uploader;
 
@@ -35,7 +36,7 @@ use crate::kv_cache::KvGeometry;
 use crate::model::{self, SeqChunk, StepBatch};
 use crate::precision::Precision;
 use crate::sampling::DevicePick;
-use crate::settings::{EngineConfig, KvBudget};
+use crate::settings::{EngineSettings, KvBudget};
 use crate::weights::{self, ModelSource, ModelWeights, Role, WeightReport};
 use envelope_cuda::memory;
 use envelope_cuda::runtime::{le_bytes, Buf, DType, F32Slice, Fp8Buf, Gpu};
@@ -273,7 +274,7 @@ impl CudaModel {
     /// # Errors
     /// An unsupported KV dtype, a budget that holds no block, or an
     /// allocation failure.
-    pub fn allocate_kv(&mut self, cfg: &EngineConfig) -> Result<KvPlan> {
+    pub fn allocate_kv(&mut self, cfg: &EngineSettings) -> Result<KvPlan> {
         let dtype = kv_dtype(self.act, cfg.kv_dtype)?;
         let c = &self.config;
         let bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.size();

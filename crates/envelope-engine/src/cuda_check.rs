@@ -20,7 +20,7 @@ use crate::model::SeqChunk;
 use crate::precision::{KvDtype, Precision};
 use crate::sampling::SamplingParams;
 use crate::scheduler::SchedulerConfig;
-use crate::settings::{EngineConfig, KvBudget};
+use crate::settings::{EngineSettings, KvBudget};
 use crate::util::synthetic_prompt;
 use crate::{Event, GenerateRequest};
 use serde::Serialize;
@@ -116,8 +116,8 @@ pub struct ModelCheck {
     pub error: Option<String>,
 }
 
-fn engine_config(kv_dtype: KvDtype, kv_bytes: usize) -> EngineConfig {
-    EngineConfig {
+fn engine_settings(kv_dtype: KvDtype, kv_bytes: usize) -> EngineSettings {
+    EngineSettings {
         kv_dtype,
         kv_budget: KvBudget::Bytes(kv_bytes),
         block_size: 16,
@@ -201,7 +201,7 @@ pub fn model_check(
             cpu.model,
             Arc::new(cpu.tokenizer),
             cpu.info,
-            &engine_config(kv_dtype, kv_bytes),
+            &engine_settings(kv_dtype, kv_bytes),
         )?;
         r.greedy_cpu = greedy(&mut ce, &prompt, steps)?;
         drop(ce);
@@ -210,7 +210,7 @@ pub fn model_check(
         let t = Instant::now();
         let mut gpu = load_cuda(spec, &opts, ordinal)?;
         r.runtime = Some(gpu.model.gpu.info.clone());
-        let cfg = engine_config(kv_dtype, kv_bytes);
+        let cfg = engine_settings(kv_dtype, kv_bytes);
         gpu.model.allocate_kv(&cfg)?;
         let blocks: Vec<u32> = (0..prompt_len.div_ceil(16) as u32).collect();
         let rows = gpu.model.forward(&[SeqChunk {
@@ -319,22 +319,6 @@ pub struct BenchRun {
     pub error: Option<String>,
 }
 
-/// Analytic weight bytes of a config in a precision on CUDA.
-pub fn analytic_weight_bytes(c: &crate::config::ModelConfig, p: Precision) -> usize {
-    let total = c.num_parameters();
-    match p {
-        Precision::F32 => total * 4,
-        Precision::Fp8 => {
-            let emb = c.vocab_size * c.hidden_size;
-            let heads = if c.tie_word_embeddings { emb } else { 2 * emb };
-            let norms = (2 * c.num_layers + 1) * c.hidden_size;
-            let layer_mats = total - heads - norms;
-            layer_mats + 2 * (heads + norms)
-        }
-        _ => total * 2,
-    }
-}
-
 /// Prefill and decode tokens/s of `spec` on CUDA device `ordinal`.
 /// Decode runs each batch at each context over a KV cache whose earlier
 /// positions were not prefilled (zeros): the attention reads as many keys
@@ -381,7 +365,7 @@ pub fn bench(
         run.runtime = Some(m.gpu.info.clone());
         run.device_bytes_used_by_load = device_used().zip(before).map(|(a, b)| a.saturating_sub(b));
         run.weight_bytes = m.report.total_bytes;
-        run.weight_bytes_analytic = analytic_weight_bytes(&m.config, precision);
+        run.weight_bytes_analytic = crate::cuda::weight_bytes(&m.config, precision);
         let bs = 16;
         let max_b = batches.iter().copied().max().unwrap_or(1);
         let max_c = contexts.iter().copied().max().unwrap_or(1);
@@ -389,7 +373,7 @@ pub fn bench(
         let c = &m.config;
         let bytes = max_b * per_seq_blocks * bs * c.kv_bytes_per_token(kv_dtype.elem_bytes());
         // The activation reserve must cover the largest step run here.
-        let mut ecfg = engine_config(kv_dtype, bytes);
+        let mut ecfg = engine_settings(kv_dtype, bytes);
         ecfg.scheduler.max_num_batched_tokens = max_prefill_tokens.max(max_b);
         ecfg.scheduler.max_num_seqs = max_b;
         m.allocate_kv(&ecfg)?;
@@ -555,9 +539,9 @@ mod tests {
     #[test]
     fn analytic_bytes_of_llama_8b() {
         let c = crate::config::preset("llama-3.1-8b").unwrap();
-        let bf16 = analytic_weight_bytes(&c, Precision::Bf16);
+        let bf16 = crate::cuda::weight_bytes(&c, Precision::Bf16);
         assert!((bf16 as f64 / 1e9 - 16.06).abs() < 0.05, "{bf16}");
-        let fp8 = analytic_weight_bytes(&c, Precision::Fp8);
+        let fp8 = crate::cuda::weight_bytes(&c, Precision::Fp8);
         // 6.98 B layer parameters at 1 byte + 1.05 B embedding/head at 2.
         assert!((fp8 as f64 / 1e9 - 9.08).abs() < 0.01, "{fp8}");
     }

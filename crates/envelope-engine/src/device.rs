@@ -8,7 +8,10 @@ use crate::cuda::{check_runs_on_cuda, default_kv_dtype};
 use crate::error::Result;
 use crate::precision::{KvDtype, Precision};
 use crate::settings::Placement;
-use envelope_cuda::{select, DeviceSetting, Selected};
+/// `--device` / `target.device` as written, parsed once (`cpu`, `cuda`,
+/// `cuda:N`, `auto`).
+pub use envelope_cuda::DeviceSetting;
+use envelope_cuda::{select, Selected};
 
 /// Resolves `setting`: `cpu` at once; `cuda[:N]` opens the device or fails
 /// with the reason (no driver, no GPU, library missing); `auto` takes CUDA

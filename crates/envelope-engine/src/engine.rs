@@ -11,7 +11,7 @@ use crate::model::{Model, SeqChunk};
 use crate::precision::KvDtype;
 use crate::sampling::{DevicePick, Sampler, SamplingParams};
 use crate::scheduler::{Plan, Scheduler, SeqId};
-use crate::settings::{EngineConfig, KvBudget, Placement};
+use crate::settings::{EngineSettings, KvBudget, Placement};
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -22,8 +22,10 @@ use tokio::sync::mpsc::UnboundedSender;
 
 mod guard;
 mod handle;
+mod runners;
 mod stats;
 pub use handle::{EngineHandle, Generated};
+use runners::CpuRunner;
 pub use stats::{EngineInfo, EngineMetrics, StepStats, STEP_LOG_LEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -124,35 +126,6 @@ enum Sampled {
     Tokens(Vec<u32>),
 }
 
-struct CpuRunner {
-    model: Model,
-    kv: KvPool,
-}
-
-impl StepRunner for CpuRunner {
-    fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
-        Ok(match self.model.forward(&mut self.kv, chunks)? {
-            Some(l) => l.to_vec2::<f32>()?,
-            None => Vec::new(),
-        })
-    }
-}
-
-impl StepRunner for crate::cuda::CudaModel {
-    fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<Vec<f32>>> {
-        crate::cuda::CudaModel::forward(self, chunks)
-    }
-    fn describe(&self) -> String {
-        crate::cuda::CudaModel::describe(self)
-    }
-    fn samples_on_device(&self) -> bool {
-        true
-    }
-    fn forward_sample(&mut self, chunks: &[SeqChunk], picks: &[DevicePick]) -> Result<Vec<u32>> {
-        crate::cuda::CudaModel::forward_sample(self, chunks, picks)
-    }
-}
-
 /// The step machine. Single-threaded; `EngineHandle` runs it on a thread.
 pub struct Engine {
     runner: Box<dyn StepRunner>,
@@ -183,7 +156,7 @@ impl Engine {
         spec: &str,
         opts: &crate::load::LoadOptions,
         placement: Placement,
-        cfg: &EngineConfig,
+        cfg: &EngineSettings,
     ) -> Result<(Engine, Arc<ChatTemplate>)> {
         match placement {
             Placement::Cpu => {
@@ -223,7 +196,7 @@ impl Engine {
         mut model: crate::cuda::CudaModel,
         tokenizer: Arc<TextTokenizer>,
         info: ModelInfo,
-        cfg: &EngineConfig,
+        cfg: &EngineSettings,
     ) -> Result<Engine> {
         cfg.validate()?;
         let plan = model.allocate_kv(cfg)?;
@@ -245,7 +218,7 @@ impl Engine {
         model: Model,
         tokenizer: Arc<TextTokenizer>,
         info: ModelInfo,
-        cfg: &EngineConfig,
+        cfg: &EngineSettings,
     ) -> Result<Engine> {
         cfg.validate()?;
         let mc = &model.config;
@@ -302,7 +275,7 @@ impl Engine {
         kv_pool_bytes: usize,
         tokenizer: Arc<TextTokenizer>,
         info: ModelInfo,
-        cfg: &EngineConfig,
+        cfg: &EngineSettings,
     ) -> Engine {
         let max_model_len = cfg.max_model_len.unwrap_or(mc.max_position_embeddings);
         let metrics = Arc::new(EngineMetrics::default());

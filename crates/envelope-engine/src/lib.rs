@@ -39,5 +39,5 @@ pub use load::{load, load_cuda, LoadOptions, LoadedCuda, LoadedModel, ModelInfo}
 pub use precision::{KvDtype, Precision};
 pub use sampling::SamplingParams;
 pub use scheduler::{BatchPolicy, SchedulerConfig};
-pub use settings::{EngineConfig, KvBudget, Placement};
+pub use settings::{EngineSettings, KvBudget, Placement};
 pub use tokenizer::TextTokenizer;

@@ -14,7 +14,7 @@ pub enum KvBudget {
 }
 
 #[derive(Debug, Clone)]
-pub struct EngineConfig {
+pub struct EngineSettings {
     pub kv_dtype: KvDtype,
     pub kv_budget: KvBudget,
     pub block_size: usize,
@@ -23,9 +23,9 @@ pub struct EngineConfig {
     pub max_model_len: Option<usize>,
 }
 
-impl Default for EngineConfig {
+impl Default for EngineSettings {
     fn default() -> Self {
-        EngineConfig {
+        EngineSettings {
             kv_dtype: KvDtype::F32,
             kv_budget: KvBudget::FractionOfAvailable(0.2),
             block_size: 16,
@@ -35,7 +35,7 @@ impl Default for EngineConfig {
     }
 }
 
-impl EngineConfig {
+impl EngineSettings {
     /// The checks every engine makes before it is built, and the CLI before
     /// a model is loaded: one function, so both say the same. Sizes that
     /// depend on the model or device (blocks that fit) are checked when the
@@ -84,16 +84,17 @@ impl std::fmt::Display for Placement {
 
 impl std::str::FromStr for Placement {
     type Err = String;
-    /// `cpu`, `cuda` or `cuda:N` (`auto` is resolved before it gets here).
+    /// `cpu`, `cuda` or `cuda:N`, read by the one device parser
+    /// ([`envelope_cuda::DeviceSetting`]); `auto` is resolved before a
+    /// placement is made ([`crate::device::resolve`]).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(Placement::Cpu),
-            "cuda" => Ok(Placement::Cuda { ordinal: 0 }),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(|ordinal| Placement::Cuda { ordinal })
-                .ok_or_else(|| format!("`{s}` is not cpu, cuda or cuda:N")),
+        use envelope_cuda::DeviceSetting;
+        match s.parse::<DeviceSetting>()? {
+            DeviceSetting::Cpu => Ok(Placement::Cpu),
+            DeviceSetting::Cuda { ordinal } => Ok(Placement::Cuda { ordinal }),
+            DeviceSetting::Auto => Err(format!(
+                "`{s}` is not a placement: auto is resolved to cpu or cuda:N first"
+            )),
         }
     }
 }

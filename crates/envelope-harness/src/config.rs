@@ -523,8 +523,8 @@ impl BenchConfig {
         }
         let on_gpu = target == Target::Engine
             && t.device.as_deref().is_some_and(|d| {
-                let d = d.trim().to_ascii_lowercase();
-                d.starts_with("cuda") || d == "auto" || d == "gpu"
+                d.parse::<envelope_engine::device::DeviceSetting>()
+                    .is_ok_and(|d| d != envelope_engine::device::DeviceSetting::Cpu)
             });
         // The KV dtypes of precision `p` when the config names none.
         let default_kvs = |p: &str| -> Result<Vec<String>, ConfigError> {

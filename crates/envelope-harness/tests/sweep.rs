@@ -2,7 +2,7 @@
 //! cache the binding constraint at the concurrency the block arithmetic
 //! predicts; the safe point holds under load; two runs agree.
 
-use envelope_engine::{EngineConfig, EngineHandle, KvBudget, LoadOptions, SchedulerConfig};
+use envelope_engine::{EngineHandle, EngineSettings, KvBudget, LoadOptions, SchedulerConfig};
 use envelope_harness::config::Bucket;
 use envelope_harness::config::Prompts;
 use envelope_harness::driver::EngineDriver;
@@ -147,7 +147,7 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     .unwrap();
     let e = EngineHandle::spawn(
         loaded,
-        &EngineConfig {
+        &EngineSettings {
             kv_budget: KvBudget::Bytes(KV_BYTES),
             scheduler: SchedulerConfig::default(),
             ..Default::default()

@@ -5,7 +5,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use envelope_engine::engine::{Engine, EngineHandle, StepRunner};
 use envelope_engine::model::SeqChunk;
-use envelope_engine::settings::{EngineConfig, KvBudget, Placement};
+use envelope_engine::settings::{EngineSettings, KvBudget, Placement};
 use envelope_engine::{LoadOptions, Precision};
 use envelope_server::{app, AppState};
 use http_body_util::BodyExt;
@@ -31,9 +31,9 @@ fn server(poisoned: bool) -> (axum::Router, EngineHandle) {
         precision: Precision::F32,
         tokenizer: None,
     };
-    let cfg = EngineConfig {
+    let cfg = EngineSettings {
         kv_budget: KvBudget::Bytes(1 << 20),
-        ..EngineConfig::default()
+        ..EngineSettings::default()
     };
     let (mut engine, template) = Engine::load("dummy:tiny@2", &opts, Placement::Cpu, &cfg).unwrap();
     if poisoned {

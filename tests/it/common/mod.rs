@@ -135,14 +135,14 @@ impl SlowServer {
         ms_per_seq: u64,
     ) -> SlowServer {
         use envelope_engine::engine::{Engine, EngineHandle};
-        use envelope_engine::settings::{EngineConfig, KvBudget, Placement};
+        use envelope_engine::settings::{EngineSettings, KvBudget, Placement};
         let opts = envelope_engine::LoadOptions {
             precision: envelope_engine::Precision::F32,
             tokenizer: None,
         };
-        let mut cfg = EngineConfig {
+        let mut cfg = EngineSettings {
             kv_budget: KvBudget::Bytes(kv_bytes),
-            ..EngineConfig::default()
+            ..EngineSettings::default()
         };
         cfg.scheduler.max_num_seqs = max_num_seqs;
         let (engine, template) = Engine::load("dummy:tiny", &opts, Placement::Cpu, &cfg).unwrap();

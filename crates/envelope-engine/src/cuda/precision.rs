@@ -100,3 +100,21 @@ pub fn activation_bytes(c: &ModelConfig, act: DType, max_tokens: usize, max_rows
     );
     max_tokens * per_token + max_rows * c.vocab_size * 4 + split_partials + (512 << 20)
 }
+
+/// The bytes a config's weights take on CUDA in a precision, from its
+/// shapes alone (f32: 4 a parameter; fp8: 1, its embeddings, LM head and
+/// norms kept at 2; the rest 2): what a sweep records before a load.
+pub fn weight_bytes(c: &ModelConfig, p: Precision) -> usize {
+    let total = c.num_parameters();
+    match p {
+        Precision::F32 => total * 4,
+        Precision::Fp8 => {
+            let emb = c.vocab_size * c.hidden_size;
+            let heads = if c.tie_word_embeddings { emb } else { 2 * emb };
+            let norms = (2 * c.num_layers + 1) * c.hidden_size;
+            let layer_mats = total - heads - norms;
+            layer_mats + 2 * (heads + norms)
+        }
+        _ => total * 2,
+    }
+}

@@ -5,7 +5,7 @@ use super::{Engine, EngineInfo, EngineMetrics, Event, FinishReason, GenerateRequ
 use crate::chat::ChatTemplate;
 use crate::error::{EngineError, Result};
 use crate::load::LoadedModel;
-use crate::settings::{EngineConfig, Placement};
+use crate::settings::{EngineSettings, Placement};
 use crate::tokenizer::TextTokenizer;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -88,7 +88,7 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    pub fn spawn(loaded: LoadedModel, cfg: &EngineConfig) -> Result<EngineHandle> {
+    pub fn spawn(loaded: LoadedModel, cfg: &EngineSettings) -> Result<EngineHandle> {
         let tokenizer = Arc::new(loaded.tokenizer);
         let engine = Engine::new(loaded.model, tokenizer, loaded.info, cfg)?;
         Self::spawn_engine(engine, Arc::new(loaded.chat_template))
@@ -99,7 +99,7 @@ impl EngineHandle {
         spec: &str,
         opts: &crate::load::LoadOptions,
         placement: Placement,
-        cfg: &EngineConfig,
+        cfg: &EngineSettings,
     ) -> Result<EngineHandle> {
         let (engine, template) = Engine::load(spec, opts, placement, cfg)?;
         Self::spawn_engine(engine, template)

@@ -94,9 +94,9 @@ fn steps_sample_on_the_runners_device_unless_top_k() {
         precision: Precision::F32,
         tokenizer: None,
     };
-    let cfg = EngineConfig {
+    let cfg = EngineSettings {
         kv_budget: KvBudget::Bytes(1 << 20),
-        ..EngineConfig::default()
+        ..EngineSettings::default()
     };
     let plain = load("dummy:tiny@9", &opts).unwrap();
     let mut host = Engine::new(plain.model, Arc::new(plain.tokenizer), plain.info, &cfg).unwrap();
@@ -196,9 +196,9 @@ fn a_panicking_step_fails_its_requests_and_the_engine_goes_on() {
         precision: Precision::F32,
         tokenizer: None,
     };
-    let cfg = EngineConfig {
+    let cfg = EngineSettings {
         kv_budget: KvBudget::Bytes(1 << 20),
-        ..EngineConfig::default()
+        ..EngineSettings::default()
     };
     let (engine, template) = Engine::load("dummy:tiny@4", &opts, Placement::Cpu, &cfg).unwrap();
     let engine = engine.wrap_runner(|inner| Box::new(Poisoned { inner, poison: 511 }));

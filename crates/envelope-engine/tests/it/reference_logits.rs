@@ -86,7 +86,7 @@ fn compare(precision: Precision) -> Diff {
         }
         let h = EngineHandle::spawn(
             ours,
-            &EngineConfig {
+            &EngineSettings {
                 kv_budget: KvBudget::Bytes(16 << 20),
                 ..Default::default()
             },

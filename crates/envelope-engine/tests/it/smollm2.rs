@@ -84,7 +84,7 @@ fn chat_prompt_uses_special_tokens() {
     );
 }
 
-fn engine(cfg: EngineConfig) -> EngineHandle {
+fn engine(cfg: EngineSettings) -> EngineHandle {
     let m = load(
         common::smollm2_path().to_str().unwrap(),
         &LoadOptions::default(),
@@ -106,7 +106,7 @@ const PROMPTS: [&str; 8] = [
 
 #[test]
 fn batched_greedy_equals_one_at_a_time() {
-    let cfg = EngineConfig {
+    let cfg = EngineSettings {
         kv_budget: KvBudget::Bytes(64 << 20),
         ..Default::default()
     };
@@ -154,11 +154,11 @@ fn preemption_under_a_small_kv_budget_keeps_outputs_correct() {
     let mc = loaded().model.config.clone();
     // 12 blocks of 16 tokens: room for ~4 of the 8 sequences at full length.
     let bytes = 12 * 16 * mc.kv_bytes_per_token(4);
-    let small = engine(EngineConfig {
+    let small = engine(EngineSettings {
         kv_budget: KvBudget::Bytes(bytes),
         ..Default::default()
     });
-    let big = engine(EngineConfig {
+    let big = engine(EngineSettings {
         kv_budget: KvBudget::Bytes(64 << 20),
         ..Default::default()
     });
@@ -214,7 +214,7 @@ fn preemption_under_a_small_kv_budget_keeps_outputs_correct() {
 
 #[test]
 fn greedy_completion_knows_paris() {
-    let e = engine(EngineConfig {
+    let e = engine(EngineSettings {
         kv_budget: KvBudget::Bytes(16 << 20),
         ..Default::default()
     });

@@ -11,7 +11,7 @@ fn generate(m: LoadedModel, prompt: &str, n: usize) -> (Vec<u32>, String) {
     let ids = m.tokenizer.encode(prompt).unwrap();
     let h = EngineHandle::spawn(
         m,
-        &EngineConfig {
+        &EngineSettings {
             kv_budget: KvBudget::Bytes(8 << 20),
             ..Default::default()
         },

@@ -9,7 +9,7 @@ use crate::driver::{EngineDriver, HttpDriver, HttpSettings, PromptFormat};
 use crate::launch::{free_port, LaunchedServer};
 use crate::record::Driver;
 use envelope_engine::{
-    Engine, EngineConfig, EngineHandle, KvBudget, LoadOptions, Placement, Precision,
+    Engine, EngineHandle, EngineSettings, KvBudget, LoadOptions, Placement, Precision,
     SchedulerConfig,
 };
 use envelope_profile::{Constraint, MemoryReport, ServerChecks};
@@ -68,7 +68,7 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
         .unwrap_or("cpu")
         .parse()
         .map_err(|err| format!("target.device: {err}"))?;
-    let ecfg = EngineConfig {
+    let ecfg = EngineSettings {
         kv_dtype: e.kv_dtype,
         kv_budget: KvBudget::Bytes(cfg.kv_cache_bytes),
         block_size: cfg.block_size,
@@ -114,10 +114,9 @@ fn open_engine(cfg: &BenchConfig, e: &EnginePoint) -> Result<Session, String> {
     let weight_bytes = built.info.model.weights.total_bytes as u64;
     let weight_bytes_analytic = match e.precision {
         // Layer matrices at 1 byte, embedding and LM head at 2.
-        Precision::Fp8 => envelope_engine::cuda_check::analytic_weight_bytes(
-            &built.info.model.config,
-            Precision::Fp8,
-        ) as u64,
+        Precision::Fp8 => {
+            envelope_engine::cuda::weight_bytes(&built.info.model.config, Precision::Fp8) as u64
+        }
         p => bytes_per_param(p).map_or(weight_bytes, |b| (params * b) as u64),
     };
     let engine = EngineHandle::spawn_engine(built, template)
