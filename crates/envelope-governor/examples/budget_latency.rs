@@ -8,7 +8,7 @@
 //! `cargo run --release -p envelope-governor --example budget_latency -- [REDIS_URL] [DECISIONS]`
 //! (scripts/budget-latency.sh starts a redis-server and runs it).
 
-use envelope_governor::budget::bucket::Ask;
+use envelope_governor::budget::bucket::Withdrawal;
 use envelope_governor::budget::store::{Slot, Store};
 use hdrhistogram::Histogram;
 use std::sync::{Arc, Mutex};
@@ -25,7 +25,7 @@ fn slots(tenant: usize) -> Vec<Slot> {
     .iter()
     .map(|&(k, capacity, window_ms, amount)| Slot {
         key: format!("t/bench-{tenant}:{k}"),
-        ask: Ask {
+        ask: Withdrawal {
             capacity,
             window_ms,
             amount,

@@ -5,8 +5,8 @@
 //! finishes, fails, or whose client disconnects (the response body is
 //! dropped) always releases, and releasing admits whoever now fits.
 
+use crate::drain::{retry_after_from_ms, DrainEstimator};
 use crate::error::{GovernError, OverloadReason};
-use crate::estimate::{retry_after_from_ms, DrainEstimator};
 use crate::ladder::{Ladder, Level};
 use crate::latency::{LatencyGuard, Sample};
 use crate::ledger::{units_per_sequence, Demand, Ledger, CAPACITY_UNITS};
@@ -143,9 +143,6 @@ pub struct Permit {
     admitted_ms: u64,
     pub queued_for: Duration,
     used_tokens: Option<u64>,
-    /// The request's reservation against budgets over time; it rides with
-    /// the permit and is settled where the answer ends.
-    pub(crate) budget: Option<crate::budget::Hold>,
 }
 
 impl Permit {
@@ -376,7 +373,6 @@ impl Governor {
             admitted_ms: self.now_ms(),
             queued_for,
             used_tokens: None,
-            budget: None,
         }
     }
 

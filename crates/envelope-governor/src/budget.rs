@@ -21,7 +21,7 @@ pub use store::Store;
 
 use crate::error::GovernError;
 use crate::metrics::{label, Metrics};
-use bucket::Ask;
+use bucket::Withdrawal;
 use std::sync::Arc;
 use std::time::Instant;
 use store::Slot;
@@ -81,7 +81,7 @@ fn lines(b: &Budgets, tenant: &str, feature: Option<&str>, a: &Amounts) -> Vec<L
             out.push(Line {
                 slot: Slot {
                     key: format!("{owner}:{}", kind.key()),
-                    ask: Ask {
+                    ask: Withdrawal {
                         capacity,
                         window_ms: kind.window_ms(),
                         amount: amount(kind, a),

@@ -4,7 +4,7 @@
 //! profile and the overrides into [`Settings`].
 
 use crate::error::StartError;
-use crate::{live, Beyond, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile};
+use crate::{live_guard, Beyond, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile};
 use clap::Args;
 use envelope_profile::Profile;
 use serde::Deserialize;
@@ -319,7 +319,7 @@ impl GovernArgs {
             .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?
             .clone();
         if conservative {
-            limits = live::conservative(&limits);
+            limits = live_guard::conservative(&limits);
         }
         if let Some(v) = self.max_context_tokens {
             limits.max_context_tokens = v;

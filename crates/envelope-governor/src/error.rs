@@ -97,6 +97,10 @@ pub enum OverloadReason {
     GuardTightened,
     /// Expected queue wait + the bucket's TTFT breaks the TTFT budget.
     TtftBudget,
+    /// The prompt could not be counted in time (a busy upstream's
+    /// tokenizer), and the bound its bytes give does not fit: told to come
+    /// back, never refused for good on a bound.
+    CountTimeout,
 }
 
 impl OverloadReason {
@@ -108,6 +112,7 @@ impl OverloadReason {
             OverloadReason::GuardRejectNew => "guard_reject_new",
             OverloadReason::GuardTightened => "guard_tightened",
             OverloadReason::TtftBudget => "ttft_budget",
+            OverloadReason::CountTimeout => "count_timeout",
         }
     }
 }

@@ -35,7 +35,7 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 pub(crate) use count::count;
-pub(crate) use flow::{stream_back_with, OnEnd, StreamEnd};
+pub(crate) use flow::{stream_back_with, Held, OnEnd, StreamEnd};
 pub(crate) use headers::{forward_headers, named, placed_headers, Extra, HOP_BY_HOP};
 use passthrough::{metrics, passthrough};
 pub use serve::serve;
@@ -129,7 +129,10 @@ pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
     flow::stream_back(
         s,
         resp,
-        permit,
+        permit.map(|permit| Held {
+            permit,
+            budget: None,
+        }),
         Some(now),
         now + Duration::from_millis(s.gov.settings().max_request_ms),
         [],
@@ -334,11 +337,23 @@ pub(crate) enum Wait {
     UntilDeadline,
 }
 
-/// A request placed on one upstream: its reservation and what was planned.
+/// A request placed on one upstream: its admission, its budget
+/// reservation (with budgets over time), and what was planned.
 pub(crate) struct Placed {
     pub permit: Permit,
+    pub budget: Option<crate::budget::Hold>,
     pub plan: policy::Plan,
     pub source: CountSource,
+}
+
+impl Placed {
+    /// What rides with the answer until it ends.
+    pub(crate) fn held(self) -> Held {
+        Held {
+            permit: self.permit,
+            budget: self.budget,
+        }
+    }
 }
 
 /// Counts, plans and admits `inc` on the upstream behind `s`, to be
@@ -378,7 +393,23 @@ pub(crate) async fn place(
             parsed.n,
         )
     };
-    let mut plan = plan_for(&settings.limits, parsed.max_tokens)?;
+    let mut plan = match plan_for(&settings.limits, parsed.max_tokens) {
+        Ok(p) => p,
+        // Counted by the bound after a timeout: not fitting by an upper
+        // bound is no reason to refuse for good. Come back when the count
+        // can be made.
+        Err(e) if source == CountSource::EstimateAfterTimeout && e.status().is_client_error() => {
+            return Err(GovernError::Overloaded {
+                reason: crate::error::OverloadReason::CountTimeout,
+                retry_after_s: 1,
+                message: format!(
+                    "the prompt could not be counted within {} ms, and by its bytes alone it may not fit ({e}); retry",
+                    settings.count_timeout_ms
+                ),
+            });
+        }
+        Err(e) => return Err(e),
+    };
     let current = s.gov.limits();
     if !plan.fits(&current) {
         // A max_tokens the client asked for (within the profile) is never
@@ -451,14 +482,13 @@ pub(crate) async fn place(
         charges: plan.charges.clone(),
         expected_ttft_ms,
     };
-    let mut permit = match wait {
+    let permit = match wait {
         Wait::UntilDeadline => s.gov.admit(ask).await?,
         Wait::No => match s.gov.try_admit(ask)? {
             Some(p) => p,
             None => return Ok(None),
         },
     };
-    permit.budget = hold;
     s.gov
         .metrics
         .output_decisions
@@ -469,6 +499,7 @@ pub(crate) async fn place(
         .inc(parsed.endpoint as usize, parsed.endpoint.label());
     Ok(Some(Placed {
         permit,
+        budget: hold,
         plan,
         source,
     }))
@@ -495,7 +526,7 @@ pub(crate) async fn send(
     let timeout = Duration::from_millis(settings.upstream_timeout_ms)
         .min(inc.end.saturating_duration_since(now));
     s.gov.note_added_latency(inc.arrived.elapsed());
-    if let Some(h) = &placed.permit.budget {
+    if let Some(h) = &placed.budget {
         h.mark_sent();
     }
     let uri = match &s.endpoint_uris {
@@ -544,7 +575,7 @@ async fn handle(
         Err(e) => {
             // Never reached: budgets get everything back (a timeout keeps it).
             if matches!(e, GovernError::UpstreamUnreachable(_)) {
-                if let Some(h) = placed.permit.budget.take() {
+                if let Some(h) = placed.budget.take() {
                     h.refund();
                 }
             }
@@ -556,7 +587,7 @@ async fn handle(
     Ok(flow::stream_back_with(
         s,
         resp,
-        Some(placed.permit),
+        Some(placed.held()),
         Some(sent_at),
         inc.end,
         extra,

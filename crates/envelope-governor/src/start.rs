@@ -5,7 +5,7 @@
 
 use crate::config::GovernArgs;
 use crate::error::StartError;
-use crate::{live, AppState, Governor};
+use crate::{live_guard, AppState, Governor};
 use envelope_profile::Profile;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -156,7 +156,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             .guard_metrics_url
             .clone()
             .unwrap_or_else(|| format!("{upstream}/metrics"));
-        live::spawn_guard(
+        live_guard::spawn_guard(
             gov.clone(),
             url,
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),

@@ -22,11 +22,11 @@ mod call;
 pub mod check;
 pub mod config;
 pub mod cost;
-mod live;
 pub mod metrics;
 pub mod route;
 mod shadow;
 mod start;
+mod state;
 
 pub use config::TiersFile;
 pub use start::run;

@@ -63,6 +63,9 @@ pub enum CountSource {
     Tokenizer,
     Upstream,
     Estimate,
+    /// The bound estimate, because counting took longer than the count
+    /// timeout: an upper bound, so what does not fit by it may still fit.
+    EstimateAfterTimeout,
 }
 
 impl CountSource {
@@ -72,6 +75,7 @@ impl CountSource {
             CountSource::Tokenizer => "tokenizer",
             CountSource::Upstream => "upstream_tokenize",
             CountSource::Estimate => "estimate",
+            CountSource::EstimateAfterTimeout => "estimate_after_timeout",
         }
     }
 }

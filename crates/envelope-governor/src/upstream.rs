@@ -6,7 +6,7 @@ use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
 use crate::request::ChatText;
 use crate::upstream_tokenize::{joined_text, ChatOverhead, Dialect};
-use crate::{live, TokenCounter};
+use crate::{live_guard, TokenCounter};
 use axum::http::{HeaderMap, Method};
 use envelope_profile::Profile;
 use serde_json::{json, Value};
@@ -315,7 +315,7 @@ pub(crate) async fn check_profile(
     if models.is_none() {
         tracing::warn!("{upstream}/v1/models did not answer; the model id is not checked");
     }
-    let mismatches = live::fingerprint_mismatches(profile, models.as_ref(), &gpus());
+    let mismatches = live_guard::fingerprint_mismatches(profile, models.as_ref(), &gpus());
     if mismatches.is_empty() {
         return Ok(false);
     }

@@ -17,7 +17,7 @@ pub struct State {
 
 /// One bucket's part in a decision.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Ask {
+pub struct Withdrawal {
     pub capacity: f64,
     pub window_ms: u64,
     pub amount: f64,
@@ -65,7 +65,7 @@ pub fn reset_ms(level: f64, capacity: f64, window_ms: u64) -> u64 {
 }
 
 /// Decides `asks` against buckets at `levels` (already refilled to now).
-pub fn decide(asks: &[Ask], levels: &[f64]) -> Outcome {
+pub fn decide(asks: &[Withdrawal], levels: &[f64]) -> Outcome {
     let mut wait = 0;
     let mut refusing = None;
     for (i, (a, &l)) in asks.iter().zip(levels).enumerate() {
@@ -108,8 +108,8 @@ pub fn settle(level: f64, delta: f64, capacity: f64) -> f64 {
 mod tests {
     use super::*;
 
-    fn ask(capacity: f64, amount: f64) -> Ask {
-        Ask {
+    fn ask(capacity: f64, amount: f64) -> Withdrawal {
+        Withdrawal {
             capacity,
             window_ms: 60_000,
             amount,

@@ -10,7 +10,7 @@
 //! the time it was written; each expires when its bucket would be full
 //! again, so an idle tenant costs Redis nothing.
 
-use super::bucket::{self, Ask, Outcome, State};
+use super::bucket::{self, Outcome, State, Withdrawal};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Slot {
     pub key: String,
-    pub ask: Ask,
+    pub ask: Withdrawal,
 }
 
 /// Buckets kept in memory past this are dropped when full (a full bucket
@@ -141,7 +141,7 @@ impl Local {
             .iter()
             .map(|s| self.level(map.get(&s.key), now, s.ask.capacity, s.ask.window_ms))
             .collect();
-        let asks: Vec<Ask> = slots.iter().map(|s| s.ask.clone()).collect();
+        let asks: Vec<Withdrawal> = slots.iter().map(|s| s.ask.clone()).collect();
         let o = bucket::decide(&asks, &levels);
         if o.admitted {
             for (s, &level) in slots.iter().zip(&o.levels) {
@@ -334,7 +334,7 @@ mod tests {
     fn slot(key: &str, capacity: f64, amount: f64) -> Slot {
         Slot {
             key: key.into(),
-            ask: Ask {
+            ask: Withdrawal {
                 capacity,
                 window_ms: 60_000,
                 amount,

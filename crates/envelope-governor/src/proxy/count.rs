@@ -59,7 +59,7 @@ async fn count_waiting(
             );
             Ok((
                 tokens::estimate(parsed, tokens::BOUND_BYTES_PER_TOKEN),
-                CountSource::Estimate,
+                CountSource::EstimateAfterTimeout,
             ))
         }
     }

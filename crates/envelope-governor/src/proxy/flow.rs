@@ -17,6 +17,7 @@
 
 use super::AppState;
 use crate::admission::{Governor, Permit};
+use crate::budget::Hold;
 use crate::client::Answer;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
@@ -37,6 +38,9 @@ type Deadline = tokio::time::Instant;
 struct Flow {
     inner: Body,
     permit: Option<Permit>,
+    /// The request's reservation against budgets over time, billed where
+    /// the answer ends.
+    budget: Option<Hold>,
     gov: Arc<Governor>,
     sse: bool,
     sent_at: Option<Instant>,
@@ -249,7 +253,7 @@ impl Flow {
     /// usage or cut short, everything reserved. An answer that is not a
     /// 2xx used no tokens (the request still counts).
     fn bill(&mut self, whole: bool) {
-        let Some(hold) = self.permit.as_mut().and_then(|p| p.budget.take()) else {
+        let Some(hold) = self.budget.take() else {
             return;
         };
         if !self.ok {
@@ -453,16 +457,23 @@ impl Drop for Flow {
     }
 }
 
+/// What an admitted request holds until its answer ends: its place in
+/// the envelope and, with budgets over time, its reservation of them.
+pub(crate) struct Held {
+    pub permit: Permit,
+    pub budget: Option<Hold>,
+}
+
 /// The upstream's answer, streamed back with `extra` headers.
 pub(super) fn stream_back(
     s: &AppState,
     resp: Answer,
-    permit: Option<Permit>,
+    held: Option<Held>,
     sent_at: Option<Instant>,
     end: Instant,
     extra: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
 ) -> Response {
-    stream_back_with(s, resp, permit, sent_at, end, extra, None)
+    stream_back_with(s, resp, held, sent_at, end, extra, None)
 }
 
 /// Takes the hop-by-hop headers out of an answer's, `content-length` too
@@ -490,7 +501,7 @@ fn drop_hop_by_hop(headers: &mut HeaderMap, sse: bool) {
 pub(crate) fn stream_back_with(
     s: &AppState,
     resp: Answer,
-    permit: Option<Permit>,
+    held: Option<Held>,
     sent_at: Option<Instant>,
     end: Instant,
     extra: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
@@ -515,9 +526,14 @@ pub(crate) fn stream_back_with(
         headers.insert(k, v);
     }
     let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
+    let (permit, budget) = match held {
+        Some(h) => (Some(h.permit), h.budget),
+        None => (None, None),
+    };
     let flow = Flow {
         inner: body,
         permit,
+        budget,
         gov: s.gov.clone(),
         sse,
         sent_at,

@@ -56,7 +56,6 @@ const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms
 /// (budget headers after them, when the request has budgets).
 pub(crate) fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
     let budget = placed
-        .permit
         .budget
         .as_ref()
         .map(|h| named(h.headers().iter().cloned()).collect::<Vec<_>>())

@@ -5,8 +5,8 @@
 use super::check::Usage;
 use super::config::Check;
 use super::cost::Price;
-use super::live::{Live, Router};
 use super::metrics::labels;
+use super::state::{Live, TierRouter};
 
 /// Whom a call is booked to.
 #[derive(Debug, Clone)]
@@ -55,7 +55,7 @@ impl Outcome {
     }
 }
 
-impl Router {
+impl TierRouter {
     fn with_book<T>(&self, f: impl FnOnce(&mut super::cost::Book) -> T) -> T {
         let mut b = self.book.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut b)

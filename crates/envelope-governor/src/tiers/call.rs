@@ -6,12 +6,12 @@
 
 use super::book::{Outcome, Story, Tag};
 use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
-use super::check::{check, read_answer, Answer, Expect, Usage};
+use super::check::{check, read_answer, AssembledAnswer, Expect, Usage};
 use super::config::{Check, OutOfTime, StreamMode};
 use super::cost::NO_FEATURE;
-use super::live::{Live, Router, Upstream};
 use super::metrics::labels;
 use super::route::{body_signals, route, Route};
+use super::state::{Live, TierRouter, Upstream};
 use crate::error::GovernError;
 use crate::identity::{self, Identity};
 use crate::proxy::{self, Incoming, Placed, Wait};
@@ -52,7 +52,7 @@ struct Whole {
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
-    answer: Option<Answer>,
+    answer: Option<AssembledAnswer>,
     placed_headers: proxy::Extra,
     cost: f64,
 }
@@ -76,7 +76,7 @@ fn upstream_failed(e: &GovernError) -> bool {
     )
 }
 
-impl Router {
+impl TierRouter {
     fn deadline_on(&self, live: &Live, tier: usize, inc: &Incoming) -> Instant {
         match live.tiers[tier].latency_budget_ms {
             Some(ms) => inc.deadline.min(inc.arrived + Duration::from_millis(ms)),
@@ -292,12 +292,12 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
 
 /// A refusal the router answers itself, counted by reason.
 /// A refusal of the governor over model tiers (see [`crate::refusal`]).
-pub(super) fn refuse(r: &Router, e: GovernError) -> Response {
+pub(super) fn refuse(r: &TierRouter, e: GovernError) -> Response {
     crate::refusal::refuse(&r.metrics, e)
 }
 
 pub(super) async fn governed(
-    State(r): State<Arc<Router>>,
+    State(r): State<Arc<TierRouter>>,
     endpoint: Endpoint,
     req: Request,
 ) -> Response {
@@ -321,7 +321,7 @@ pub(super) async fn governed(
 }
 
 async fn serve_call(
-    r: &Arc<Router>,
+    r: &Arc<TierRouter>,
     live: &Arc<Live>,
     endpoint: Endpoint,
     req: Request,
@@ -565,7 +565,7 @@ async fn serve_call(
     Ok(respond(live, w, &story))
 }
 
-impl Router {
+impl TierRouter {
     /// Placement for an escalated attempt: the tier given, waiting within
     /// the call's deadline.
     async fn placement_up(
@@ -590,7 +590,7 @@ impl Router {
     }
 }
 
-fn cached_answer(r: &Router, live: &Live, call: &Call, hit: Cached) -> Response {
+fn cached_answer(r: &TierRouter, live: &Live, call: &Call, hit: Cached) -> Response {
     let tier = live.file.index(&hit.tier).unwrap_or(call.route.tier);
     let story = Story {
         start: call.route.tier,
@@ -623,7 +623,7 @@ fn cached_answer(r: &Router, live: &Live, call: &Call, hit: Cached) -> Response 
 /// A stream passed through as it comes (no escalation once bytes flow; an
 /// upstream that cannot be reached is still retried a tier up).
 async fn stream_through(
-    r: &Arc<Router>,
+    r: &Arc<TierRouter>,
     live: &Arc<Live>,
     call: &Call,
     tier: usize,
@@ -728,7 +728,7 @@ async fn stream_through(
     Ok(proxy::stream_back_with(
         &up.app,
         resp,
-        Some(placed.permit),
+        Some(placed.held()),
         Some(sent_at),
         end,
         {

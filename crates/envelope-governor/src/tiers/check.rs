@@ -11,7 +11,7 @@ pub use crate::price::Usage;
 
 /// The first choice of an answer, put back together.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Answer {
+pub struct AssembledAnswer {
     pub text: String,
     /// (name, arguments as sent).
     pub tool_calls: Vec<(String, String)>,
@@ -39,7 +39,7 @@ fn usage_of(v: &Value) -> Option<Usage> {
 const MAX_TOOL_CALLS: usize = 128;
 
 /// Adds one JSON object (a whole answer or one stream chunk) to `a`.
-fn absorb(a: &mut Answer, v: &Value) {
+fn absorb(a: &mut AssembledAnswer, v: &Value) {
     if let Some(u) = usage_of(v) {
         a.usage = Some(u);
     }
@@ -92,8 +92,8 @@ fn absorb(a: &mut Answer, v: &Value) {
 
 /// The answer in `body`: one JSON object, or (`sse`) a stream of
 /// `data:` events. `None` when nothing in it is an answer.
-pub fn read_answer(body: &[u8], sse: bool) -> Option<Answer> {
-    let mut a = Answer::default();
+pub fn read_answer(body: &[u8], sse: bool) -> Option<AssembledAnswer> {
+    let mut a = AssembledAnswer::default();
     if !sse {
         let v: Value = serde_json::from_slice(body).ok()?;
         v.get("choices")?;
@@ -182,7 +182,12 @@ fn parse_json(text: &str) -> Option<Value> {
 /// The first check among `on` that `answer` fails, if any. A 5xx or no
 /// answer at all is an upstream error; a 4xx is the client's own and is
 /// never escalated.
-pub fn check(on: &[Check], e: &Expect, status: u16, answer: Option<&Answer>) -> Option<Check> {
+pub fn check(
+    on: &[Check],
+    e: &Expect,
+    status: u16,
+    answer: Option<&AssembledAnswer>,
+) -> Option<Check> {
     let failed = |c: Check| on.contains(&c).then_some(c);
     if status >= 500 {
         return failed(Check::UpstreamError);
@@ -243,7 +248,7 @@ impl Agreement {
     }
 
     /// Whether `a` and `b` agree.
-    pub fn agree(self, a: &Answer, b: &Answer) -> bool {
+    pub fn agree(self, a: &AssembledAnswer, b: &AssembledAnswer) -> bool {
         match self {
             Agreement::Exact => a.text.trim() == b.text.trim(),
             Agreement::Json => match (parse_json(&a.text), parse_json(&b.text)) {
@@ -385,18 +390,18 @@ mod tests {
 
     #[test]
     fn agreement_compares_as_the_call_asked() {
-        let ans = |t: &str| Answer {
+        let ans = |t: &str| AssembledAnswer {
             text: t.into(),
-            ..Answer::default()
+            ..AssembledAnswer::default()
         };
         assert!(Agreement::Json.agree(&ans("{\"a\":1, \"b\":2}"), &ans(" {\"b\": 2, \"a\": 1}")));
         assert!(!Agreement::Json.agree(&ans("{\"a\":1}"), &ans("{\"a\":2}")));
         assert!(!Agreement::Json.agree(&ans("x"), &ans("x")));
         assert!(Agreement::Exact.agree(&ans("yes "), &ans("yes")));
         assert!(!Agreement::Exact.agree(&ans("yes"), &ans("no")));
-        let call = |n: &str, a: &str| Answer {
+        let call = |n: &str, a: &str| AssembledAnswer {
             tool_calls: vec![(n.into(), a.into())],
-            ..Answer::default()
+            ..AssembledAnswer::default()
         };
         assert!(Agreement::ToolCall.agree(&call("f", "{\"x\":1}"), &call("f", "{ \"x\": 1 }")));
         assert!(!Agreement::ToolCall.agree(&call("f", "{\"x\":1}"), &call("g", "{\"x\":1}")));

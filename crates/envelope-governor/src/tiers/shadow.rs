@@ -8,9 +8,9 @@
 //! call.
 
 use super::book::Tag;
-use super::check::{read_answer, Agreement, Answer, Expect, Usage};
-use super::live::{Agreement as Tally, Live, Router};
+use super::check::{read_answer, Agreement, AssembledAnswer, Expect, Usage};
 use super::metrics::labels;
+use super::state::{Agreement as Tally, Live, TierRouter};
 use crate::identity::Identity;
 use crate::proxy::{self, Incoming, Wait};
 use std::sync::Arc;
@@ -20,7 +20,7 @@ use std::time::Instant;
 /// `answer`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn maybe(
-    r: &Arc<Router>,
+    r: &Arc<TierRouter>,
     live: &Arc<Live>,
     inc: &Incoming,
     who: &Identity,
@@ -28,7 +28,7 @@ pub(super) fn maybe(
     reason: &str,
     expect: &Expect,
     tier: usize,
-    answer: &Answer,
+    answer: &AssembledAnswer,
 ) {
     let sample = live.file.shadow.sample;
     if sample <= 0.0 || tier + 1 >= live.tiers.len() || rand::random::<f64>() >= sample {
@@ -55,14 +55,14 @@ pub(super) fn maybe(
 
 #[allow(clippy::too_many_arguments)]
 async fn shadow(
-    r: &Router,
+    r: &TierRouter,
     live: &Live,
     inc: &Incoming,
     who: &Identity,
     tag: &Tag,
     expect: &Expect,
     up_tier: usize,
-    answer: &Answer,
+    answer: &AssembledAnswer,
 ) -> Option<bool> {
     for up in live.by_room(up_tier) {
         let settings = up.app.gov.settings();
@@ -99,7 +99,7 @@ async fn shadow(
 }
 
 /// Counts one comparison (`Some(agreed)`) or a skipped shadow (`None`).
-fn tally(r: &Router, key: (String, String, String), agreed: Option<bool>) {
+fn tally(r: &TierRouter, key: (String, String, String), agreed: Option<bool>) {
     let (tier, feature, reason) = &key;
     let label = match agreed {
         Some(true) => "yes",

@@ -8,8 +8,8 @@
 use super::call;
 use super::config::{PriceSpec, TiersFile, UpstreamSpec};
 use super::cost::Price;
-use super::live::{Live, Router, Tasks, Tier, Upstream};
 use super::metrics::{labels, merge};
+use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
 use crate::config::GovernArgs;
 use crate::error::{GovernError, StartError};
 use crate::request::Endpoint;
@@ -130,7 +130,7 @@ async fn upstream(
         }));
     }
     if args.guard.unwrap_or(true) {
-        tasks.push(crate::live::spawn_guard(
+        tasks.push(crate::live_guard::spawn_guard(
             gov.clone(),
             format!("{url}/metrics"),
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
@@ -185,7 +185,7 @@ async fn build(
 }
 
 /// Reloads the tiers file; the version in force stays when it is invalid.
-async fn reload(r: &Arc<Router>) -> Result<String, String> {
+async fn reload(r: &Arc<TierRouter>) -> Result<String, String> {
     // One change at a time: two builds from one snapshot would start two
     // governors for one new upstream.
     let _one = r.changes.lock().await;
@@ -210,11 +210,11 @@ async fn reload(r: &Arc<Router>) -> Result<String, String> {
     result
 }
 
-fn base(r: &Router) -> Arc<AppState> {
+fn base(r: &TierRouter) -> Arc<AppState> {
     r.live().tiers[0].upstreams[0].app.clone()
 }
 
-fn admin_refusal(r: &Router, req: &Request, post: bool) -> Option<Response> {
+fn admin_refusal(r: &TierRouter, req: &Request, post: bool) -> Option<Response> {
     let b = base(r);
     if !crate::proxy::admin_allowed(&b, req) {
         return Some(GovernError::Forbidden(crate::proxy::ADMIN_DENIED.into()).into_response());
@@ -230,7 +230,7 @@ fn admin_refusal(r: &Router, req: &Request, post: bool) -> Option<Response> {
     None
 }
 
-async fn metrics(State(r): State<Arc<Router>>) -> Response {
+async fn metrics(State(r): State<Arc<TierRouter>>) -> Response {
     let live = r.live();
     let mut parts = vec![(vec![], r.metrics.render())];
     for (t, i, u) in live.all_upstreams() {
@@ -249,7 +249,7 @@ async fn metrics(State(r): State<Arc<Router>>) -> Response {
         .into_response()
 }
 
-async fn models(State(r): State<Arc<Router>>) -> Response {
+async fn models(State(r): State<Arc<TierRouter>>) -> Response {
     let live = r.live();
     let data: Vec<_> = live
         .tiers
@@ -259,7 +259,7 @@ async fn models(State(r): State<Arc<Router>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-fn state_json(r: &Router) -> serde_json::Value {
+fn state_json(r: &TierRouter) -> serde_json::Value {
     let live = r.live();
     let tiers: Vec<_> = live
         .tiers
@@ -315,14 +315,14 @@ fn state_json(r: &Router) -> serde_json::Value {
     })
 }
 
-async fn admin_state(State(r): State<Arc<Router>>, req: Request) -> Response {
+async fn admin_state(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
     if let Some(no) = admin_refusal(&r, &req, false) {
         return no;
     }
     axum::Json(state_json(&r)).into_response()
 }
 
-async fn admin_costs(State(r): State<Arc<Router>>, req: Request) -> Response {
+async fn admin_costs(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
     if let Some(no) = admin_refusal(&r, &req, false) {
         return no;
     }
@@ -341,7 +341,7 @@ fn refused_change(message: String, code: &str) -> Response {
         .into_response()
 }
 
-async fn admin_reload(State(r): State<Arc<Router>>, req: Request) -> Response {
+async fn admin_reload(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
     if let Some(no) = admin_refusal(&r, &req, true) {
         return no;
     }
@@ -351,7 +351,7 @@ async fn admin_reload(State(r): State<Arc<Router>>, req: Request) -> Response {
     }
 }
 
-async fn admin_rollback(State(r): State<Arc<Router>>, req: Request) -> Response {
+async fn admin_rollback(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
     if let Some(no) = admin_refusal(&r, &req, true) {
         return no;
     }
@@ -377,7 +377,7 @@ async fn admin_rollback(State(r): State<Arc<Router>>, req: Request) -> Response 
     }
 }
 
-async fn not_found(State(r): State<Arc<Router>>, req: Request) -> Response {
+async fn not_found(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
     let e = GovernError::NotFound(format!(
         "{} {}: with model tiers the governor answers the two completion endpoints, /v1/models, /metrics and /admin/tiers",
         req.method(),
@@ -386,15 +386,17 @@ async fn not_found(State(r): State<Arc<Router>>, req: Request) -> Response {
     call::refuse(&r, e)
 }
 
-pub(super) fn app(r: Arc<Router>) -> axum::Router {
+pub(super) fn app(r: Arc<TierRouter>) -> axum::Router {
     axum::Router::new()
         .route(
             "/v1/completions",
-            post(|s: State<Arc<Router>>, q: Request| call::governed(s, Endpoint::Completions, q)),
+            post(|s: State<Arc<TierRouter>>, q: Request| {
+                call::governed(s, Endpoint::Completions, q)
+            }),
         )
         .route(
             "/v1/chat/completions",
-            post(|s: State<Arc<Router>>, q: Request| call::governed(s, Endpoint::Chat, q)),
+            post(|s: State<Arc<TierRouter>>, q: Request| call::governed(s, Endpoint::Chat, q)),
         )
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
@@ -412,7 +414,7 @@ fn mtime(p: &Path) -> Option<SystemTime> {
 
 /// The files whose change reloads: the tiers file, every profile, the
 /// tenants file.
-fn watched(r: &Router) -> Vec<PathBuf> {
+fn watched(r: &TierRouter) -> Vec<PathBuf> {
     let live = r.live();
     std::iter::once(r.path.clone())
         .chain(live.all_upstreams().map(|(_, _, u)| u.spec.profile.clone()))
@@ -436,12 +438,12 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
         tracing::info!("tier {}: {}", t.name, ups.join(", "));
     }
     let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
-    let router = Router::new(path, args, live);
+    let router = TierRouter::new(path, args, live);
     tracing::info!("model tiers: version {}", router.live().file.version);
     {
         let r = router.clone();
         tokio::spawn(async move {
-            let stamp = |r: &Router| watched(r).iter().map(|p| mtime(p)).collect::<Vec<_>>();
+            let stamp = |r: &TierRouter| watched(r).iter().map(|p| mtime(p)).collect::<Vec<_>>();
             let mut last = stamp(&r);
             let mut hup =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();

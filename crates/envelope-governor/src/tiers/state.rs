@@ -123,7 +123,7 @@ pub struct Agreement {
 /// Previous versions kept for rollback.
 const HISTORY: usize = 8;
 
-pub struct Router {
+pub struct TierRouter {
     pub path: PathBuf,
     pub args: GovernArgs,
     current: RwLock<Arc<Live>>,
@@ -146,9 +146,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Router {
-    pub fn new(path: PathBuf, args: GovernArgs, live: Live) -> Arc<Router> {
-        let r = Router {
+impl TierRouter {
+    pub fn new(path: PathBuf, args: GovernArgs, live: Live) -> Arc<TierRouter> {
+        let r = TierRouter {
             path,
             args,
             current: RwLock::new(Arc::new(Live {

@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::*;
-use envelope_governor::{live, Level, TenantsFile, TokenCounter};
+use envelope_governor::{live_guard, Level, TenantsFile, TokenCounter};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -15,7 +15,7 @@ async fn live_guard_ladder_from_upstream_metrics() {
         s.ladder.recover_readings = 2;
     })
     .await;
-    let _task = live::spawn_guard(
+    let _task = live_guard::spawn_guard(
         g.gov.clone(),
         format!("{}/metrics", g.upstream),
         Duration::from_millis(50),
@@ -88,7 +88,7 @@ async fn metrics_that_go_stale_count_as_unhealthy() {
         s.ladder.reject_stale_ms = 400;
     })
     .await;
-    let _task = live::spawn_guard(
+    let _task = live_guard::spawn_guard(
         g.gov.clone(),
         format!("{}/metrics", g.upstream),
         Duration::from_millis(50),
@@ -123,7 +123,7 @@ async fn metrics_absent_from_the_start_do_not_tighten() {
         } else {
             format!("{}/metrics", g.upstream)
         };
-        let _task = live::spawn_guard(g.gov.clone(), url, Duration::from_millis(50));
+        let _task = live_guard::spawn_guard(g.gov.clone(), url, Duration::from_millis(50));
         // Well past both staleness limits, every request is served.
         for _ in 0..8 {
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -311,8 +311,41 @@ async fn counting_is_one_call_with_a_deadline_and_a_cap() {
         .post("/v1/completions", json!({"prompt": "a", "max_tokens": 1}))
         .await;
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["x-envelope-token-count"], "estimate");
+    assert_eq!(
+        r.headers()["x-envelope-token-count"],
+        "estimate_after_timeout"
+    );
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+}
+
+/// A prompt that fits, counted by the bound after the upstream's
+/// tokenizer took too long (a busy llama-server), is told to come back
+/// (429 with Retry-After), never refused for good: the bound is an upper
+/// one, and the real count fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_count_that_timed_out_never_refuses_for_good() {
+    let g = start(limits(1000, 10, 4, 4000), |s| s.count_timeout_ms = 300).await;
+    // The fake counts a byte a token: 989 + 10 fits 1000 exactly counted;
+    // the bound (bytes + 2 for special tokens) does not.
+    let body = json!({"prompt": "a".repeat(989), "max_tokens": 10});
+    let r = g.post("/v1/completions", body.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-envelope-token-count"], "upstream_tokenize");
+    g.fake.tokenize_delay_ms.store(10_000, Ordering::SeqCst);
+    let r = g.post("/v1/completions", body.clone()).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-envelope-reason"], "count_timeout");
+    assert!(r.headers().contains_key("retry-after"));
+    // What cannot fit even by a count that timed out (fewer tokens than
+    // bytes is all a bound says) is still a 400 when counted exactly.
+    g.fake.tokenize_delay_ms.store(0, Ordering::SeqCst);
+    let r = g
+        .post(
+            "/v1/completions",
+            json!({"prompt": "a".repeat(995), "max_tokens": 10}),
+        )
+        .await;
+    assert_eq!(r.status(), 400);
 }
 
 // ------------------------------------------------------ timeouts and limits
