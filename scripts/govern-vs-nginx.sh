@@ -25,7 +25,11 @@
 # names the binary to measure (default target/release/envelope, built
 # first) and BARE_PROXY_BIN the bare proxy (default: the example, built
 # first); GOVERN_ENV adds environment variables to both governors (for
-# example GOVERN_ENV=TOKIO_WORKER_THREADS=1).
+# example GOVERN_ENV=TOKIO_WORKER_THREADS=1). BEFORE_BIN names a second
+# binary (an earlier build) run with the defaults as one more path in
+# every round: each round's requests/s and CPU a request of this build
+# against that one's are printed, with their medians (a change to the
+# request path must stay within 10% of before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-10}"
@@ -59,7 +63,7 @@ cleanup() {
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port); BP=$(free_port)
+UP=$(free_port); PX=$(free_port); G1=$(free_port); G2=$(free_port); BP=$(free_port); G3=$(free_port)
 
 body='{"id":"cmpl-1","object":"text_completion","model":"fixed","choices":[{"index":0,"text":"hello world","finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":2,"total_tokens":10}}'
 # The upstream and the nginx proxy are two nginx instances of one worker
@@ -105,19 +109,22 @@ cat > "$work/profile.json" <<EOF
  "probes_total": 0}
 EOF
 start_gov() {
-  local port=$1; shift
+  local exe=$1 port=$2; shift 2
   # shellcheck disable=SC2086 # GOVERN_ENV is a list of NAME=value words.
-  env ${GOVERN_ENV:-} ENVELOPE_LOG=warn "$bin" govern --profile "$work/profile.json" --upstream "http://127.0.0.1:$UP" \
+  env ${GOVERN_ENV:-} ENVELOPE_LOG=warn "$exe" govern --profile "$work/profile.json" --upstream "http://127.0.0.1:$UP" \
     --listen "127.0.0.1:$port" --on-mismatch ignore "$@" > "$work/gov-$port.out" 2> "$work/gov-$port.log" &
   pids+=($!)
 }
-start_gov "$G1" --tokenizer "$model"
-start_gov "$G2"
+start_gov "$bin" "$G1" --tokenizer "$model"
+start_gov "$bin" "$G2"
 # The floor: a proxy on the governor's stack (hyper, one tokio thread)
 # doing none of its work (crates/envelope-governor/examples/bare_proxy.rs).
 "$bare" "127.0.0.1:$BP" "127.0.0.1:$UP" > "$work/bare.log" 2>&1 &
 pids+=($!)
-for port in $UP $PX $G1 $G2 $BP; do
+if [ -n "${BEFORE_BIN:-}" ]; then
+  start_gov "$BEFORE_BIN" "$G3"
+fi
+for port in $UP $PX $G1 $G2 $BP ${BEFORE_BIN:+$G3}; do
   for _ in $(seq 1 100); do
     curl -fsS -o /dev/null "http://127.0.0.1:$port/v1/models" 2>/dev/null && break
     sleep 0.1
@@ -157,6 +164,13 @@ ports=("$UP" "$PX" "$BP" "$G1" "$G2")
 # Whose CPU time each path's row reports: nginx's worker, the bare proxy,
 # each governor.
 proc=("" "$(pgrep -P "$(cat "$work/proxy.pid")" | head -1)" "${pids[2]}" "${pids[0]}" "${pids[1]}")
+paired_before=()
+if [ -n "${BEFORE_BIN:-}" ]; then
+  paths+=(before)
+  ports+=("$G3")
+  proc+=("${pids[3]}")
+  paired_before=("before=127.0.0.1:$G3")
+fi
 # Warm up each path, then measure them in turn.
 for port in "${ports[@]}"; do wrk -t1 -c4 -d1s -s "$work/post.lua" "http://127.0.0.1:$port/v1/completions" >/dev/null; done
 for _ in $(seq 1 "$rounds"); do
@@ -170,7 +184,7 @@ done
 python3 scripts/paired-latency.py "$((secs * rounds))" /v1/completions \
   '{"model":"fixed","prompt":"Say hello to the world in a few words.","max_tokens":16}' \
   "direct=127.0.0.1:$UP" "nginx=127.0.0.1:$PX" "bare=127.0.0.1:$BP" "tokenizer=127.0.0.1:$G1" "defaults=127.0.0.1:$G2" \
-  > "$work/paired"
+  "${paired_before[@]}" > "$work/paired"
 src1=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G1/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 src2=$(curl -s -D - -o /dev/null -H 'content-type: application/json' -d '{"prompt":"hi","max_tokens":1}' "http://127.0.0.1:$G2/v1/completions" | awk -F': ' 'tolower($1)=="x-envelope-token-count" {print $2}' | tr -d '\r')
 
@@ -242,6 +256,27 @@ for key, name in [("nginx", "nginx proxy_pass"), ("bare", "bare hyper proxy (the
     r50 = a50 / pn50 if pn50 > 0 else float("inf")
     r99 = a99 / pn99 if pn99 > 0 else float("inf")
     print(f"| {name} | {a50 / 1000:.3f} | {a99 / 1000:.3f} | {r50:.2f} / {r99:.2f} | {int(err)} |")
+if "before" in paired:
+    p50, p99, n, err = paired["before"]
+    print(f"| envelope govern, defaults, BEFORE_BIN | {add(p50, pd50) / 1000:.3f} | {add(p99, pd99) / 1000:.3f} | {add(p50, pd50) / pn50 if pn50 > 0 else float('inf'):.2f} / {add(p99, pd99) / pn99 if pn99 > 0 else float('inf'):.2f} | {int(err)} |")
+    # This build against the earlier one, round by round: both ran the
+    # defaults in the same rounds, so a slow spell falls on both.
+    ar, acpu = rounds("defaults")
+    br, bcpu = rounds("before")
+    print()
+    print("this build (defaults) against BEFORE_BIN (defaults), round by round")
+    print()
+    print("| round | req/s this / before | CPU us a request this / before |")
+    print("|---|---|---|")
+    rr = [a / b for a, b in zip(ar, br)]
+    cr = [a / b for a, b in zip(acpu, bcpu)]
+    for i, (r, c) in enumerate(zip(rr, cr), 1):
+        print(f"| {i} | {r:.3f} | {c:.3f} |")
+    mr, mc = statistics.median(rr), statistics.median(cr)
+    print(f"| median | {mr:.3f} | {mc:.3f} |")
+    print()
+    ok = mr >= 0.9 and mc <= 1.1
+    print(f"against before: median req/s x{mr:.3f}, CPU a request x{mc:.3f}: {'within' if ok else 'NOT within'} 10%")
 print()
 print("targets: added p50 and p99 at most 1.5x nginx's, req/s at least 0.8x nginx's")
 EOF
