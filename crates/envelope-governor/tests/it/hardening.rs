@@ -522,6 +522,15 @@ async fn only_allowlisted_get_paths_reach_the_upstream() {
     assert_eq!(r.status(), 200);
 }
 
+/// The status of a GET of `path` through `g`, with `key` as the bearer.
+async fn status_of_get(g: &Gov, path: &str, key: Option<&str>) -> u16 {
+    let mut r = g.client.get(g.url(path));
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    r.send().await.unwrap().status().as_u16()
+}
+
 /// With API keys configured, every route the governor forwards needs a
 /// known key, not only the completion endpoints; health, readiness and
 /// metrics stay public (a kubelet and Prometheus send no key) unless the
@@ -530,13 +539,7 @@ async fn only_allowlisted_get_paths_reach_the_upstream() {
 async fn with_keys_every_forwarded_route_needs_one() {
     let t = tenants("[tenants.alice]\napi_keys = [\"sk-alice\"]\n");
     let g = start(limits(1000, 10, 4, 4000), move |s| s.tenants = t).await;
-    let get = |path: &str, key: Option<&str>| {
-        let mut r = g.client.get(g.url(path));
-        if let Some(k) = key {
-            r = r.bearer_auth(k);
-        }
-        async move { r.send().await.unwrap().status().as_u16() }
-    };
+    let get = |path: &'static str, key: Option<&'static str>| status_of_get(&g, path, key);
     for key in [None, Some("sk-mallory")] {
         assert_eq!(get("/v1/models", key).await, 401, "{key:?}");
         assert_eq!(get("/version", key).await, 401, "{key:?}");
@@ -564,13 +567,7 @@ async fn with_keys_every_forwarded_route_needs_one() {
         s.public_paths = vec!["/health".into()];
     })
     .await;
-    let get = |path: &str, key: Option<&str>| {
-        let mut r = g.client.get(g.url(path));
-        if let Some(k) = key {
-            r = r.bearer_auth(k);
-        }
-        async move { r.send().await.unwrap().status().as_u16() }
-    };
+    let get = |path: &'static str, key: Option<&'static str>| status_of_get(&g, path, key);
     assert_eq!(get("/metrics", None).await, 401);
     assert_eq!(get("/ready", None).await, 401);
     assert_eq!(get("/metrics", Some("sk-alice")).await, 200);
