@@ -105,15 +105,14 @@ pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
 const DEADLINE_NAME: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
 
 pub fn app(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route(
-            "/v1/completions",
-            post(|s: State<Arc<AppState>>, r: Request| governed(s, Endpoint::Completions, r)),
-        )
-        .route(
-            "/v1/chat/completions",
-            post(|s: State<Arc<AppState>>, r: Request| governed(s, Endpoint::Chat, r)),
-        )
+    Endpoint::ALL
+        .into_iter()
+        .fold(Router::new(), |router, e| {
+            router.route(
+                e.path(),
+                post(move |s: State<Arc<AppState>>, r: Request| governed(s, e, r)),
+            )
+        })
         .route("/metrics", get(metrics))
         .route("/admin/state", get(admin_state))
         .route("/admin/reload", post(admin_reload))

@@ -24,6 +24,15 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Every governed endpoint: the routes of both front doors (one
+    /// upstream, model tiers) are made from this list.
+    pub const ALL: [Endpoint; 2] = [Endpoint::Completions, Endpoint::Chat];
+
+    /// The governed endpoint served at `path`, if any.
+    pub fn at(path: &str) -> Option<Endpoint> {
+        Endpoint::ALL.into_iter().find(|e| e.path() == path)
+    }
+
     /// Where it is served (and forwarded to).
     pub fn path(self) -> &'static str {
         match self {

@@ -43,11 +43,7 @@ fn governed_endpoint<B>(req: &hyper::Request<B>) -> Option<Endpoint> {
     if req.method() != Method::POST {
         return None;
     }
-    match req.uri().path() {
-        "/v1/completions" => Some(Endpoint::Completions),
-        "/v1/chat/completions" => Some(Endpoint::Chat),
-        _ => None,
-    }
+    Endpoint::at(req.uri().path())
 }
 
 /// Serves `router` with (most connections, header read timeout).

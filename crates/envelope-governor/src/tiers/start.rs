@@ -387,17 +387,14 @@ async fn not_found(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
 }
 
 pub(super) fn app(r: Arc<TierRouter>) -> axum::Router {
-    axum::Router::new()
-        .route(
-            "/v1/completions",
-            post(|s: State<Arc<TierRouter>>, q: Request| {
-                call::governed(s, Endpoint::Completions, q)
-            }),
-        )
-        .route(
-            "/v1/chat/completions",
-            post(|s: State<Arc<TierRouter>>, q: Request| call::governed(s, Endpoint::Chat, q)),
-        )
+    Endpoint::ALL
+        .into_iter()
+        .fold(axum::Router::new(), |router, e| {
+            router.route(
+                e.path(),
+                post(move |s: State<Arc<TierRouter>>, q: Request| call::governed(s, e, q)),
+            )
+        })
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/admin/tiers", get(admin_state))
