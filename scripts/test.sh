@@ -87,7 +87,11 @@ kill_tree() {
   kill "$1" 2>/dev/null || true
 }
 trap 'rc=$?; kill_tree "$beside"; echo "== [${SECONDS}s] done (exit $rc)"' EXIT
-cargo test --profile ci --locked --workspace
+# The foreign servers' tests measure those servers: they run after the
+# rest, alone (tests/it/foreign_servers.rs says why).
+cargo test --profile ci --locked --workspace -- --skip foreign_servers::
+stage "cargo test: the foreign servers, alone"
+cargo test --profile ci --locked -p envelope --test it -- foreign_servers::
 
 stage "clippy and the fuzz build (waiting for what is left of them)"
 if ! wait "$beside"; then
