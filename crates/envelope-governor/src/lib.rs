@@ -5,8 +5,9 @@
 //! only: no engine, no CUDA.
 //!
 //! Bookkeeping is plain data with unit tests ([`ledger`], [`queue`],
-//! [`ladder`], [`estimate`], [`policy`], [`request`]); [`admission`] and
-//! [`proxy`] wrap it in a thin async layer, [`client`] is its HTTP client
+//! [`ladder`], [`policy`], [`request`]); [`admission`] and
+//! [`request_path`] (a request's stages) wrap it in a thin async layer,
+//! [`proxy`] and [`tiers`] are the two modes' HTTP sides, [`client`] is its HTTP client
 //! to the upstream; [`error`] is the one mapping
 //! from failures to HTTP status, OpenAI body and reason label. [`config`]
 //! holds every setting (flags, environment, TOML file, defaults) and
@@ -18,6 +19,7 @@ pub mod client;
 pub mod config;
 pub mod drain;
 pub mod error;
+mod front_door;
 pub mod identity;
 pub mod ladder;
 pub mod latency;
@@ -32,6 +34,7 @@ pub mod proxy;
 pub mod queue;
 mod refusal;
 pub mod request;
+pub mod request_path;
 pub mod settings;
 pub mod start;
 pub mod tiers;

@@ -58,6 +58,11 @@ pub fn effective_limits(l: &Limits, level: Level, factor: f64) -> Limits {
     }
 }
 
+/// The sequences a request asks for: `n` per prompt group.
+pub fn sequences(prompt_groups: usize, n: u64) -> u64 {
+    prompt_groups as u64 * n
+}
+
 /// Decides `max_tokens` and the reservation for a request whose prompt
 /// groups count `prompt_tokens` each, asked `asked` tokens and `n` choices.
 pub fn plan(
@@ -134,7 +139,7 @@ pub fn plan(
         max_tokens,
         decision,
         demand: Demand {
-            seqs: prompt_tokens.len() as u64 * n,
+            seqs: sequences(prompt_tokens.len(), n),
             kv_tokens,
             capacity: charges.iter().map(|c| c.capacity).sum(),
         },

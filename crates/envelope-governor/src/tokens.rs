@@ -188,14 +188,77 @@ impl TokenCounter {
     }
 
     /// Loads the model's tokenizer from its `.gguf` file (the vocabulary
-    /// in its metadata) or a `tokenizer.json`.
+    /// in its metadata) or a `tokenizer.json`. A file already loaded (and
+    /// unchanged: the same length and modification time) gives the same
+    /// tokenizer, so model tiers on one model count a prompt once.
     pub fn from_tokenizer_file(path: &std::path::Path) -> Result<TokenCounter, String> {
-        TextTokenizer::from_path(path)
-            .map(|t| TokenCounter::Tokenizer {
-                tokenizer: Arc::new(t),
-                chat: ChatOverhead::default(),
-            })
-            .map_err(|e| format!("loading tokenizer {}: {e}", path.display()))
+        type Loaded = std::collections::HashMap<
+            (std::path::PathBuf, u64, Option<std::time::SystemTime>),
+            std::sync::Weak<TextTokenizer>,
+        >;
+        static LOADED: std::sync::Mutex<Option<Loaded>> = std::sync::Mutex::new(None);
+        let named = |e: String| format!("loading tokenizer {}: {e}", path.display());
+        let meta = std::fs::metadata(path).map_err(|e| named(e.to_string()))?;
+        let key = (
+            std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
+            meta.len(),
+            meta.modified().ok(),
+        );
+        let found = LOADED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(Default::default)
+            .get(&key)
+            .and_then(std::sync::Weak::upgrade);
+        let tokenizer = match found {
+            Some(t) => t,
+            None => {
+                let t = Arc::new(TextTokenizer::from_path(path).map_err(|e| named(e.to_string()))?);
+                let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+                let loaded = loaded.get_or_insert_with(Default::default);
+                loaded.retain(|_, w| w.strong_count() > 0);
+                loaded.insert(key, Arc::downgrade(&t));
+                t
+            }
+        };
+        Ok(TokenCounter::Tokenizer {
+            tokenizer,
+            chat: ChatOverhead::default(),
+        })
+    }
+
+    /// Whether this counter gives `other`'s counts for every prompt: the
+    /// same tokenizer and chat overhead, the same tokenize endpoint, or
+    /// the same estimate.
+    pub fn counts_as(&self, other: &TokenCounter) -> bool {
+        match (self, other) {
+            (
+                TokenCounter::Tokenizer { tokenizer, chat },
+                TokenCounter::Tokenizer {
+                    tokenizer: t2,
+                    chat: c2,
+                },
+            ) => Arc::ptr_eq(tokenizer, t2) && chat == c2,
+            (
+                TokenCounter::Upstream {
+                    url, dialect, chat, ..
+                },
+                TokenCounter::Upstream {
+                    url: u2,
+                    dialect: d2,
+                    chat: c2,
+                    ..
+                },
+            ) => url == u2 && dialect == d2 && chat == c2,
+            (
+                TokenCounter::Estimate { bytes_per_token },
+                TokenCounter::Estimate {
+                    bytes_per_token: b2,
+                },
+            ) => bytes_per_token == b2,
+            (TokenCounter::Learnt(a), TokenCounter::Learnt(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
     }
 
     /// Prompt tokens per sequence group (without media parts).

@@ -3,9 +3,10 @@
 //! `/tokenize`), each to a caller with a known key where keys are
 //! configured, the public paths excepted.
 
-use super::{flow, forward_headers, reject, upstream_error, AppState};
+use super::{reject, AppState};
 use crate::error::GovernError;
 use crate::identity;
+use crate::request_path::{forward_headers, stream_back_with, upstream_error};
 use crate::settings::{path_allowed, Settings};
 use axum::extract::{Request, State};
 use axum::http::Method;
@@ -96,7 +97,7 @@ pub(super) async fn passthrough(State(s): State<Arc<AppState>>, req: Request) ->
     let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
     let send = s.client.send(method, &url, headers, body);
     match tokio::time::timeout(timeout, send).await {
-        Ok(Ok(resp)) => flow::stream_back(&s, resp, None, None, end, []),
+        Ok(Ok(resp)) => stream_back_with(&s, resp, None, None, end, [], None),
         Ok(Err(e)) => upstream_error(&s, e, false).into_response(),
         Err(_) => upstream_error(
             &s,

@@ -5,15 +5,16 @@
 //! the governor drained) no connection is accepted and open ones close once
 //! their responses are done, within a bound.
 //!
-//! The two governed endpoints go straight to their handler; every other
+//! The two governed endpoints go straight to their front door; every other
 //! request goes through the router. Routing, its extensions and its
 //! boxed futures were about 5% of the governor's instructions a request
 //! (callgrind, one machine), for a choice a method and a path comparison
 //! make.
 
-use super::timer::ReusingTimer;
-use super::{app, governed, AppState};
+use super::{app, AppState};
+use crate::front_door::{governed, FrontDoor};
 use crate::request::Endpoint;
+use crate::request_path::timer::ReusingTimer;
 use axum::extract::{ConnectInfo, State};
 use axum::http::Method;
 use hyper_util::rt::TokioIo;
@@ -35,7 +36,7 @@ pub async fn serve(
         settings.max_connections,
         Duration::from_millis(settings.header_read_timeout_ms),
     );
-    serve_routes(listener, app(state.clone()), Some(state), limits, shutdown).await
+    serve_router(listener, app(state.clone()), state, limits, shutdown).await
 }
 
 /// The governed endpoint `req` asks for, if it is one.
@@ -46,22 +47,13 @@ fn governed_endpoint<B>(req: &hyper::Request<B>) -> Option<Endpoint> {
     Endpoint::at(req.uri().path())
 }
 
-/// Serves `router` with (most connections, header read timeout).
-pub(crate) async fn serve_router(
+/// Serves `router` with (most connections, header read timeout), the
+/// governed endpoints answered through `door`'s front door without the
+/// router.
+pub(crate) async fn serve_router<D: FrontDoor>(
     listener: tokio::net::TcpListener,
     router: axum::Router,
-    limits: (usize, Duration),
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    serve_routes(listener, router, None, limits, shutdown).await
-}
-
-/// [`serve_router`], with the governed endpoints of `direct` (when given)
-/// answered without the router.
-async fn serve_routes(
-    listener: tokio::net::TcpListener,
-    router: axum::Router,
-    direct: Option<Arc<AppState>>,
+    door: Arc<D>,
     (max_connections, header_timeout): (usize, Duration),
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -99,12 +91,10 @@ async fn serve_routes(
         };
         let _ = stream.set_nodelay(true);
         let router = router.clone();
-        let direct = direct.clone();
+        let door = door.clone();
         let service =
             hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-                let to = direct
-                    .as_ref()
-                    .and_then(|s| Some((s.clone(), governed_endpoint(&req)?)));
+                let to = governed_endpoint(&req).map(|e| (door.clone(), e));
                 let router = router.clone();
                 async move {
                     let req_body =

@@ -13,11 +13,15 @@ use super::metrics::labels;
 use super::route::{body_signals, route, Route};
 use super::state::{Live, TierRouter, Upstream};
 use crate::error::GovernError;
-use crate::identity::{self, Identity};
-use crate::proxy::{self, Incoming, Placed, Wait};
+use crate::front_door::FrontDoor;
+use crate::identity::Identity;
+use crate::refusal::RefusalCounter;
 use crate::request::Endpoint;
+use crate::request_path::{self as path, Counted, Ending, Incoming, Placed, Settlement, Wait};
+use crate::settings::Settings;
+use crate::AppState;
 use axum::body::{Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
@@ -37,6 +41,12 @@ fn truthy(h: &HeaderMap, header: &str) -> bool {
 /// What one call is, once read.
 struct Call {
     inc: Incoming,
+    /// Its prompt counted once, by the first tier's first upstream (with
+    /// its settings): a tier that counts the same way takes the count.
+    /// Where that upstream could not count, the bound estimate (which
+    /// routed the call) and no one who counted: each tier counts.
+    counted: Counted,
+    counted_by: Option<(Arc<AppState>, Arc<Settings>)>,
     who: Identity,
     tag: Tag,
     conversation: Option<String>,
@@ -53,7 +63,7 @@ struct Whole {
     headers: HeaderMap,
     body: Bytes,
     answer: Option<AssembledAnswer>,
-    placed_headers: proxy::Extra,
+    placed_headers: path::Extra,
     cost: f64,
 }
 
@@ -96,7 +106,23 @@ impl TierRouter {
         let mut last: Option<GovernError> = None;
         for up in live.by_room(tier) {
             let settings = up.app.gov.settings();
-            match proxy::place(&up.app, &settings, &call.inc, &call.who, wait, deadline).await {
+            let placed = async {
+                let parsed = &call.inc.parsed;
+                let counted = match &call.counted_by {
+                    Some((app, st)) => {
+                        let by = (&**app, &**st);
+                        call.counted
+                            .for_upstream(by, &up.app, &settings, parsed)
+                            .await?
+                    }
+                    None => std::borrow::Cow::Owned(path::count(&up.app, &settings, parsed).await?),
+                };
+                path::place(
+                    &up.app, &settings, &call.inc, &counted, &call.who, wait, deadline,
+                )
+                .await
+            };
+            match placed.await {
                 Ok(Some(p)) => return Ok(Some((up, p))),
                 Ok(None) => {}
                 // This upstream cannot count the prompt, or its profile is
@@ -169,28 +195,33 @@ impl TierRouter {
         call: &Call,
         tier: usize,
         up: &Upstream,
-        mut placed: Placed,
+        placed: Placed,
     ) -> Result<Whole, GovernError> {
         let settings = up.app.gov.settings();
         let parsed = up.body_for(&call.inc.parsed);
         let sent_at = Instant::now();
-        let resp = proxy::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
+        let resp = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
+        let prompt = placed.plan.prompt_tokens;
+        // Nothing (whole) came back: the prompt was sent, so book it.
+        let failed = |placed: Placed, s: Settlement| {
+            placed.held().settle(&s);
+            let u = Usage {
+                prompt,
+                ..Usage::default()
+            };
+            self.book_attempt(live, tier, &call.tag, &up.price, u);
+        };
         let resp = match resp {
             Ok(r) => r,
             Err(e) => {
-                // Nothing came back: the prompt was sent, so book it.
-                let u = Usage {
-                    prompt: placed.plan.prompt_tokens,
-                    ..Usage::default()
-                };
-                self.book_attempt(live, tier, &call.tag, &up.price, u);
+                failed(placed, Settlement::of_failed_send(&e));
                 return Err(e);
             }
         };
         let status = resp.status();
         let mut headers = HeaderMap::new();
         for (k, v) in resp.headers() {
-            if !proxy::HOP_BY_HOP.contains(&k.as_str()) {
+            if !path::HOP_BY_HOP.contains(&k.as_str()) {
                 headers.append(k.clone(), v.clone());
             }
         }
@@ -200,21 +231,13 @@ impl TierRouter {
             Ok(Err(e)) => {
                 up.app.gov.note_upstream_error();
                 tracing::warn!("upstream {} failed mid-answer: {e}", up.spec.url);
-                let u = Usage {
-                    prompt: placed.plan.prompt_tokens,
-                    ..Usage::default()
-                };
-                self.book_attempt(live, tier, &call.tag, &up.price, u);
+                failed(placed, Settlement::ended(Ending::Cut));
                 return Err(GovernError::UpstreamUnreachable(
                     "the upstream failed mid-answer".into(),
                 ));
             }
             Err(_) => {
-                let u = Usage {
-                    prompt: placed.plan.prompt_tokens,
-                    ..Usage::default()
-                };
-                self.book_attempt(live, tier, &call.tag, &up.price, u);
+                failed(placed, Settlement::ended(Ending::Cut));
                 return Err(GovernError::UpstreamTimeout(
                     "the answer did not end within the request's lifetime".into(),
                 ));
@@ -226,18 +249,23 @@ impl TierRouter {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let answer = read_answer(&body, sse);
         let usage = answer.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
-            prompt: placed.plan.prompt_tokens,
+            prompt,
             completion: answer.as_ref().map_or(0, |a| a.events.saturating_sub(1)),
             cached: 0,
         });
-        placed.permit.settle(usage.prompt + usage.completion);
-        if status.is_success() && !sse {
-            let ms = sent_at.elapsed().as_secs_f64() * 1000.0;
-            placed.permit.record_latency(None, None, Some(ms));
-        }
+        let placed_headers = path::placed_headers(&placed).collect();
+        // The whole answer, read here: its usage (or its events less the
+        // `[DONE]`) is what it used; a whole body is the upstream's time.
+        let ms = sent_at.elapsed().as_secs_f64() * 1000.0;
+        placed.held().settle(&Settlement {
+            refused_by_upstream: !status.is_success(),
+            prompt_tokens: Some(usage.prompt),
+            completion_tokens: Some(usage.completion),
+            events: None,
+            latency: (!sse).then_some((None, None, Some(ms))),
+            ..Settlement::ended(Ending::Whole)
+        });
         let cost = self.book_attempt(live, tier, &call.tag, &up.price, usage);
-        let placed_headers = proxy::placed_headers(&placed).collect();
-        drop(placed);
         Ok(Whole {
             tier,
             status,
@@ -284,40 +312,45 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
         extra.push(("x-envelope-escalation", format!("failed: {why}")));
     }
     let h = r.headers_mut();
-    for (k, v) in w.placed_headers.into_iter().chain(proxy::named(extra)) {
+    for (k, v) in w.placed_headers.into_iter().chain(path::named(extra)) {
         h.insert(k, v);
     }
     r
 }
 
-/// A refusal the router answers itself, counted by reason.
 /// A refusal of the governor over model tiers (see [`crate::refusal`]).
 pub(super) fn refuse(r: &TierRouter, e: GovernError) -> Response {
     crate::refusal::refuse(&r.metrics, e)
 }
 
-pub(super) async fn governed(
-    State(r): State<Arc<TierRouter>>,
-    endpoint: Endpoint,
-    req: Request,
-) -> Response {
-    let arrived = Instant::now();
-    let live = r.live();
-    let base = live.tiers[0].upstreams[0].app.clone();
-    if r.is_draining() {
-        return refuse(&r, GovernError::Draining);
+impl FrontDoor for TierRouter {
+    fn precheck(&self) -> Result<(), GovernError> {
+        match self.is_draining() {
+            true => Err(GovernError::Draining),
+            false => Ok(()),
+        }
     }
-    let settings = base.gov.settings();
-    let who = match identity::identify(&settings.tenants, req.headers()) {
-        Ok(w) => w,
-        Err(e) => return refuse(&r, e),
-    };
-    let mut resp = match serve_call(&r, &live, endpoint, req, arrived, &who).await {
-        Ok(resp) => resp,
-        Err(e) => refuse(&r, e),
-    };
-    crate::refusal::charged_to(&mut resp, &who);
-    resp
+
+    /// The first tier's first upstream's: who callers are is one setting
+    /// for every tier.
+    fn settings(&self) -> Arc<Settings> {
+        self.live().tiers[0].upstreams[0].app.gov.settings()
+    }
+
+    fn refusals(&self) -> &dyn RefusalCounter {
+        &self.metrics
+    }
+
+    async fn serve(
+        self: &Arc<Self>,
+        endpoint: Endpoint,
+        req: Request,
+        arrived: Instant,
+        who: &Identity,
+    ) -> Result<Response, GovernError> {
+        let live = self.live();
+        serve_call(self, &live, endpoint, req, arrived, who).await
+    }
 }
 
 async fn serve_call(
@@ -330,20 +363,28 @@ async fn serve_call(
 ) -> Result<Response, GovernError> {
     let base = live.tiers[0].upstreams[0].app.clone();
     let settings = base.gov.settings();
-    let inc = proxy::read_request(&settings, endpoint, req, arrived, who.class).await?;
+    let inc = path::read_request(&settings, endpoint, req, arrived, who.class).await?;
     let h = &inc.parts.headers;
     let feature = named(h, FEATURE_HEADER)?;
     let hint = named(h, HINT_HEADER)?;
     // One tenant's conversation never moves another's routing.
     let conversation = named(h, CONVERSATION_HEADER)?.map(|c| format!("{}\u{0}{c}", who.tenant));
     let mut signals = body_signals(inc.parsed.body());
-    // For routing only (each tier counts again to admit): when the
-    // cheapest tier cannot count, the bound estimate routes.
-    let counts = match proxy::count(&base, &settings, &inc.parsed).await {
-        Ok((c, _)) => c,
-        Err(_) => crate::tokens::estimate(&inc.parsed, crate::tokens::BOUND_BYTES_PER_TOKEN),
+    // Counted once, for routing and for every tier that counts the same
+    // way. When the first tier cannot count, the bound estimate routes
+    // and each tier counts for itself.
+    let (counted, counted_by) = match path::count(&base, &settings, &inc.parsed).await {
+        Ok(c) => (c, Some((base, settings))),
+        Err(_) => {
+            let bound = crate::tokens::estimate(&inc.parsed, crate::tokens::BOUND_BYTES_PER_TOKEN);
+            let c = Counted {
+                counts: bound,
+                source: crate::tokens::CountSource::EstimateAfterTimeout,
+            };
+            (c, None)
+        }
     };
-    signals.prompt_tokens = counts.into_iter().max().unwrap_or(0);
+    signals.prompt_tokens = counted.counts.iter().copied().max().unwrap_or(0);
     signals.max_tokens = inc.parsed.max_tokens;
     signals.hint = hint;
     signals.feature = feature.clone();
@@ -373,6 +414,8 @@ async fn serve_call(
         },
         who: who.clone(),
         inc,
+        counted,
+        counted_by,
     };
     let start = call.route.tier;
     // The cache first: a hit takes no room on any upstream.
@@ -636,27 +679,36 @@ async fn stream_through(
     let resp = loop {
         let settings = up.app.gov.settings();
         let parsed = up.body_for(&call.inc.parsed);
-        let sent = proxy::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
+        let sent = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
         // Nothing has gone to the client yet: an upstream that failed
         // (unreachable, or a 5xx head) may still be retried a tier up.
         let may = !escalated
             && !call.route.pinned
             && tier + 1 < live.tiers.len()
             && live.file.escalation.on.contains(&Check::UpstreamError);
-        let failed = match sent {
+        let (failed, settlement) = match sent {
             Ok(resp) if !(may && resp.status().is_server_error()) => break resp,
-            Ok(resp) => GovernError::UpstreamUnreachable(format!(
-                "the upstream answered {}",
-                resp.status().as_u16()
-            )),
-            Err(e) => e,
+            Ok(resp) => (
+                GovernError::UpstreamUnreachable(format!(
+                    "the upstream answered {}",
+                    resp.status().as_u16()
+                )),
+                Settlement {
+                    refused_by_upstream: true,
+                    ..Settlement::ended(Ending::Whole)
+                },
+            ),
+            Err(e) => {
+                let s = Settlement::of_failed_send(&e);
+                (e, s)
+            }
         };
         let u = Usage {
             prompt: placed.plan.prompt_tokens,
             ..Usage::default()
         };
         story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
-        drop(placed);
+        placed.held().settle(&settlement);
         let placed_up = if may && upstream_failed(&failed) {
             r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
             story.escalated = Some((Check::UpstreamError, tier));
@@ -687,7 +739,7 @@ async fn stream_through(
         }
     };
     let status = resp.status();
-    let mut placed_headers: proxy::Extra = proxy::placed_headers(&placed).collect();
+    let mut placed_headers: path::Extra = path::placed_headers(&placed).collect();
     let mut extra: Vec<(&'static str, String)> = vec![
         ("x-envelope-tier", live.tiers[tier].name.clone()),
         ("x-envelope-route-reason", story.reason.clone()),
@@ -706,7 +758,7 @@ async fn stream_through(
     let tag = call.tag.clone();
     let mut story = story.clone();
     let arrived = call.inc.arrived;
-    let on_end: proxy::OnEnd = Box::new(move |end: proxy::StreamEnd| {
+    let on_end: path::OnEnd = Box::new(move |end: path::StreamEnd| {
         let u = Usage {
             prompt: end.prompt_tokens.unwrap_or(prompt),
             completion: end
@@ -725,14 +777,14 @@ async fn stream_through(
     });
     let sent_at = Instant::now();
     let end = call.inc.end;
-    Ok(proxy::stream_back_with(
+    Ok(path::stream_back_with(
         &up.app,
         resp,
         Some(placed.held()),
         Some(sent_at),
         end,
         {
-            placed_headers.extend(proxy::named(extra));
+            placed_headers.extend(path::named(extra));
             placed_headers
         },
         Some(on_end),

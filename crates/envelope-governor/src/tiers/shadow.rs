@@ -12,7 +12,7 @@ use super::check::{read_answer, Agreement, AssembledAnswer, Expect, Usage};
 use super::metrics::labels;
 use super::state::{Agreement as Tally, Live, TierRouter};
 use crate::identity::Identity;
-use crate::proxy::{self, Incoming, Wait};
+use crate::request_path::{self as path, Ending, Incoming, Settlement, Wait};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,15 +66,31 @@ async fn shadow(
 ) -> Option<bool> {
     for up in live.by_room(up_tier) {
         let settings = up.app.gov.settings();
-        let placed = match proxy::place(&up.app, &settings, inc, who, Wait::No, inc.deadline).await
+        let Ok(counted) = path::count(&up.app, &settings, &inc.parsed).await else {
+            continue;
+        };
+        let placed = match path::place(
+            &up.app,
+            &settings,
+            inc,
+            &counted,
+            who,
+            Wait::No,
+            inc.deadline,
+        )
+        .await
         {
             Ok(Some(p)) => p,
             _ => continue,
         };
         let parsed = up.body_for(&inc.parsed);
-        let resp = proxy::send(&up.app, &settings, inc, &parsed, &placed)
-            .await
-            .ok()?;
+        let resp = match path::send(&up.app, &settings, inc, &parsed, &placed).await {
+            Ok(r) => r,
+            Err(e) => {
+                placed.held().settle(&Settlement::of_failed_send(&e));
+                return None;
+            }
+        };
         let sse = resp
             .headers()
             .get("content-type")
@@ -82,14 +98,25 @@ async fn shadow(
             .is_some_and(|v| v.starts_with("text/event-stream"));
         let ok = resp.status().is_success();
         let left = inc.end.saturating_duration_since(Instant::now());
-        let body = tokio::time::timeout(left, resp.bytes()).await.ok()?.ok()?;
+        let body = match tokio::time::timeout(left, resp.bytes()).await {
+            Ok(Ok(b)) => b,
+            _ => {
+                placed.held().settle(&Settlement::ended(Ending::Cut));
+                return None;
+            }
+        };
         let theirs = read_answer(&body, sse);
         let u = theirs.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
             prompt: placed.plan.prompt_tokens,
             ..Usage::default()
         });
         r.book_shadow(live, up_tier, tag, &up.price, u);
-        drop(placed);
+        placed.held().settle(&Settlement {
+            refused_by_upstream: !ok,
+            prompt_tokens: Some(u.prompt),
+            completion_tokens: Some(u.completion),
+            ..Settlement::ended(Ending::Whole)
+        });
         if !ok {
             return None;
         }

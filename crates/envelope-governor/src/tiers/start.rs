@@ -12,7 +12,6 @@ use super::metrics::{labels, merge};
 use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
 use crate::config::GovernArgs;
 use crate::error::{GovernError, StartError};
-use crate::request::Endpoint;
 use crate::{AppState, Governor};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -387,14 +386,7 @@ async fn not_found(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
 }
 
 pub(super) fn app(r: Arc<TierRouter>) -> axum::Router {
-    Endpoint::ALL
-        .into_iter()
-        .fold(axum::Router::new(), |router, e| {
-            router.route(
-                e.path(),
-                post(move |s: State<Arc<TierRouter>>, q: Request| call::governed(s, e, q)),
-            )
-        })
+    crate::front_door::governed_routes::<TierRouter>()
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/admin/tiers", get(admin_state))
@@ -492,6 +484,6 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
         futures::future::join_all(drains).await;
         tracing::info!("drained");
     };
-    crate::proxy::serve_router(listener, app(router), limits, shutdown).await?;
+    crate::proxy::serve_router(listener, app(router.clone()), router, limits, shutdown).await?;
     Ok(())
 }

@@ -140,4 +140,16 @@ mod tests {
             assert_eq!(number(n).to_str().unwrap(), n.to_string());
         }
     }
+
+    #[test]
+    fn hop_by_hop_and_governor_headers_are_not_forwarded() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close"));
+        h.insert("x-envelope-tenant", HeaderValue::from_static("a"));
+        h.insert(DEADLINE_HEADER, HeaderValue::from_static("5"));
+        h.insert("authorization", HeaderValue::from_static("Bearer k"));
+        let f = forward_headers(&h);
+        assert_eq!(f.len(), 1);
+        assert!(f.contains_key("authorization"));
+    }
 }

@@ -1,6 +1,7 @@
-//! The answer's way back: the upstream's body relayed to the client frame
-//! by frame with the permit riding inside the body, so the reservation is
-//! released when the body ends, fails, is cut, or the client goes away.
+//! The relayed stage: the upstream's body relayed to the client frame by
+//! frame with the request's [`Held`] riding inside the body, so it is
+//! settled and released when the body ends, fails, is cut, or the client
+//! goes away (each an [`Ending`] of one [`Settlement`]).
 //! Each body ends at the first of: the upstream's end, an upstream error,
 //! a silence longer than the idle timeout, the request's lifetime, or the
 //! drain timeout. An SSE stream then gets an OpenAI-shaped error event; a
@@ -15,9 +16,9 @@
 //! callgrind on one machine, the stream adapter with two timers was about
 //! 13% of the governor's instructions a request.
 
+use super::settle::{Ending, Held, Settlement};
 use super::AppState;
 use crate::admission::{Governor, Permit};
-use crate::budget::Hold;
 use crate::client::Answer;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
@@ -37,10 +38,8 @@ type Deadline = tokio::time::Instant;
 /// What rides inside the response body stream.
 struct Flow {
     inner: Body,
-    permit: Option<Permit>,
-    /// The request's reservation against budgets over time, billed where
-    /// the answer ends.
-    budget: Option<Hold>,
+    /// The permit and budget hold, settled where the answer ends.
+    held: Option<Held>,
     gov: Arc<Governor>,
     sse: bool,
     sent_at: Option<Instant>,
@@ -221,7 +220,10 @@ impl Flow {
         let gaps = self.events.saturating_sub(2);
         // Several sequences (n > 1, batched prompts) interleave their
         // events, so the gaps between them are not any one's ITL.
-        let one_sequence = self.permit.as_ref().is_some_and(|p| p.demand().seqs == 1);
+        let one_sequence = self
+            .held
+            .as_ref()
+            .is_some_and(|h| h.permit.demand().seqs == 1);
         let itl = match (self.first_chunk, self.last_chunk) {
             (Some(a), Some(b)) if gaps > 0 && one_sequence => Some(ms(b - a) / gaps as f64),
             _ => None,
@@ -235,66 +237,36 @@ impl Flow {
         *self.usage.get_or_insert_with(|| self.tail.usage())
     }
 
-    fn tell(&mut self, whole: bool) {
+    /// How the answer ended and what it used.
+    fn settlement(&mut self, ending: Ending) -> Settlement {
+        let (prompt_tokens, completion_tokens) = self.usage();
+        let whole_ok = ending == Ending::Whole && self.ok;
+        Settlement {
+            ending,
+            refused_by_upstream: !self.ok,
+            prompt_tokens,
+            completion_tokens,
+            events: self.sse.then_some(self.events),
+            latency: whole_ok.then(|| self.timings()),
+        }
+    }
+
+    /// Tells `on_end` how the stream ended and settles the request, once.
+    fn finish(&mut self, ending: Ending) {
+        if self.on_end.is_none() && self.held.is_none() {
+            return;
+        }
+        let s = self.settlement(ending);
         if let Some(f) = self.on_end.take() {
-            let (prompt_tokens, completion_tokens) = self.usage();
             f(StreamEnd {
-                prompt_tokens,
-                completion_tokens,
+                prompt_tokens: s.prompt_tokens,
+                completion_tokens: s.completion_tokens,
                 events: self.events,
-                whole,
+                whole: ending == Ending::Whole,
             });
         }
-    }
-
-    /// Settles the request's budgets with what it used: the upstream's
-    /// `usage` when the body ends with it; else, for a stream, one data
-    /// event per token (at most what was reserved), and for a body without
-    /// usage or cut short, everything reserved. An answer that is not a
-    /// 2xx used no tokens (the request still counts).
-    fn bill(&mut self, whole: bool) {
-        let Some(hold) = self.budget.take() else {
-            return;
-        };
-        if !self.ok {
-            hold.refused_upstream();
-            return;
-        }
-        let r = hold.reserved();
-        let (prompt, completion) = self.usage();
-        let output_tokens = match completion {
-            Some(c) => c,
-            // Less the closing `[DONE]` of a whole stream.
-            None if self.sse => {
-                (self.events - u64::from(whole).min(self.events)).min(r.output_tokens)
-            }
-            None => r.output_tokens,
-        };
-        hold.settle(crate::budget::Used {
-            input_tokens: prompt.unwrap_or(r.input_tokens),
-            output_tokens,
-        });
-    }
-
-    fn settle(&mut self) {
-        self.tell(true);
-        self.bill(true);
-        if self.ok {
-            if let Some(p) = &self.permit {
-                let (ttft, itl, e2e) = self.timings();
-                p.record_latency(ttft, itl, e2e);
-            }
-        }
-        if let Some(mut p) = self.permit.take() {
-            let used = match self.usage() {
-                (Some(a), Some(b)) => Some(a + b),
-                // No usage in a stream: one data event is about one token.
-                _ if self.sse => Some(self.events.saturating_sub(1)),
-                _ => None,
-            };
-            if let Some(u) = used {
-                p.settle(u);
-            }
+        if let Some(held) = self.held.take() {
+            held.settle(&s);
         }
     }
 
@@ -358,7 +330,6 @@ impl Flow {
     /// a whole body.
     fn stop(&mut self, stop: Stop) -> Result<Frame<Bytes>, std::io::Error> {
         self.done = true;
-        self.tell(false);
         let message = stop.message(self);
         if stop.upstream_fault() {
             self.gov.upstream_failed(stop.code());
@@ -369,9 +340,9 @@ impl Flow {
         } else {
             tracing::info!(kind = stop.code(), "response ended: {message}");
         }
-        // Release now, not when the client finally drops the body.
-        self.bill(false);
-        self.permit.take();
+        // Settled and released now, not when the client finally drops the
+        // body.
+        self.finish(Ending::Cut);
         if self.sse {
             let body = serde_json::json!({"error": {"message": message,
                 "type": "server_error", "param": null, "code": stop.code()}});
@@ -421,7 +392,7 @@ impl HttpBody for Flow {
                         // without asking again, so it is settled now.
                         if f.inner.is_end_stream() {
                             f.done = true;
-                            f.settle();
+                            f.finish(Ending::Whole);
                         }
                         return Poll::Ready(Some(Ok(Frame::data(b))));
                     }
@@ -430,7 +401,7 @@ impl HttpBody for Flow {
                 },
                 Poll::Ready(None) => {
                     f.done = true;
-                    f.settle();
+                    f.finish(Ending::Whole);
                     return Poll::Ready(None);
                 }
                 Poll::Ready(Some(Err(e))) => Stop::UpstreamError(e.to_string()),
@@ -452,28 +423,21 @@ impl HttpBody for Flow {
 impl Drop for Flow {
     /// A client that went away: the stream did not end whole.
     fn drop(&mut self) {
-        self.tell(false);
-        self.bill(false);
+        self.finish(Ending::Cut);
     }
 }
 
-/// What an admitted request holds until its answer ends: its place in
-/// the envelope and, with budgets over time, its reservation of them.
-pub(crate) struct Held {
-    pub permit: Permit,
-    pub budget: Option<Hold>,
-}
-
-/// The upstream's answer, streamed back with `extra` headers.
-pub(super) fn stream_back(
-    s: &AppState,
-    resp: Answer,
-    held: Option<Held>,
-    sent_at: Option<Instant>,
-    end: Instant,
-    extra: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
-) -> Response {
-    stream_back_with(s, resp, held, sent_at, end, extra, None)
+/// The streaming relay on its own (the fuzz target drives it with arbitrary
+/// upstream bytes): the upstream's answer back to the client, chunk by
+/// chunk, with `permit` released at its end.
+pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
+    let now = Instant::now();
+    let held = permit.map(|permit| Held {
+        permit,
+        budget: None,
+    });
+    let end = now + Duration::from_millis(s.gov.settings().max_request_ms);
+    stream_back_with(s, resp, held, Some(now), end, [], None)
 }
 
 /// Takes the hop-by-hop headers out of an answer's, `content-length` too
@@ -484,7 +448,9 @@ fn drop_hop_by_hop(headers: &mut HeaderMap, sse: bool) {
         let mut hop: [Option<HeaderName>; 4] = Default::default();
         let found = headers
             .keys()
-            .filter(|k| super::HOP_BY_HOP.contains(&k.as_str()) && (sse || *k != CONTENT_LENGTH))
+            .filter(|k| {
+                super::headers::HOP_BY_HOP.contains(&k.as_str()) && (sse || *k != CONTENT_LENGTH)
+            })
             .zip(hop.iter_mut())
             .map(|(k, slot)| *slot = Some(k.clone()))
             .count();
@@ -497,7 +463,8 @@ fn drop_hop_by_hop(headers: &mut HeaderMap, sse: bool) {
     }
 }
 
-/// [`stream_back`], telling `on_end` how the stream ended.
+/// The upstream's answer, streamed back with `extra` headers, telling
+/// `on_end` how the stream ended.
 pub(crate) fn stream_back_with(
     s: &AppState,
     resp: Answer,
@@ -526,14 +493,9 @@ pub(crate) fn stream_back_with(
         headers.insert(k, v);
     }
     let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
-    let (permit, budget) = match held {
-        Some(h) => (Some(h.permit), h.budget),
-        None => (None, None),
-    };
     let flow = Flow {
         inner: body,
-        permit,
-        budget,
+        held,
         gov: s.gov.clone(),
         sse,
         sent_at,
@@ -611,7 +573,7 @@ mod tests {
     #[test]
     fn every_hop_by_hop_header_leaves_an_answer() {
         let mut h = HeaderMap::new();
-        for name in super::super::HOP_BY_HOP {
+        for name in crate::request_path::HOP_BY_HOP {
             h.insert(*name, axum::http::HeaderValue::from_static("x"));
         }
         h.insert("content-type", axum::http::HeaderValue::from_static("a/b"));

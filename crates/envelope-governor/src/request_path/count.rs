@@ -1,0 +1,205 @@
+//! The counted stage: a request's prompt tokens before admission, at once
+//! on the default path, or with a wait (an upstream `/tokenize` call, a
+//! long prompt encoded off the event loop) bounded by a timeout and a cap.
+//! Counted once: model tiers that count the same way reuse the count.
+
+use super::AppState;
+use crate::error::GovernError;
+use crate::request::{ParsedRequest, Prompts};
+use crate::settings::Settings;
+use crate::tokens::{self, CountSource};
+use std::time::Duration;
+
+/// A request's prompt tokens per group, and how they were counted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Counted {
+    pub counts: Vec<u64>,
+    pub source: CountSource,
+}
+
+impl Counted {
+    /// These counts, made by the upstream `by` with `by_settings`, for the
+    /// upstream `s`: kept where `s` counts the same way (token ids; or the
+    /// same tokenizer, tokenize endpoint or estimate, and the same cost
+    /// for media parts), else counted again.
+    ///
+    /// # Errors
+    /// As [`count`].
+    pub(crate) async fn for_upstream(
+        &self,
+        (by, by_settings): (&AppState, &Settings),
+        s: &AppState,
+        settings: &Settings,
+        parsed: &ParsedRequest,
+    ) -> Result<std::borrow::Cow<'_, Counted>, GovernError> {
+        let same_media = by_settings.image_part_tokens == settings.image_part_tokens
+            && by_settings.audio_part_tokens == settings.audio_part_tokens;
+        let same_counter = self.source == CountSource::TokenIds || s.counter.counts_as(&by.counter);
+        if same_media && same_counter {
+            return Ok(std::borrow::Cow::Borrowed(self));
+        }
+        count(s, settings, parsed)
+            .await
+            .map(std::borrow::Cow::Owned)
+    }
+}
+
+/// Prompt tokens per group, within the count timeout and the cap on
+/// requests counted at once; past the timeout, the bound estimate. Media
+/// parts of a chat add their configured cost.
+pub(crate) async fn count(
+    s: &AppState,
+    settings: &Settings,
+    parsed: &ParsedRequest,
+) -> Result<Counted, GovernError> {
+    // Counts that take no waiting skip the timeout and the cap (a timer
+    // and a semaphore a request on the default path). The waiting one is
+    // boxed: its future (an upstream call, a timer) was 2.9 KB of the
+    // 3.3 KB of `place`'s, which every request's future carries and
+    // moves whole (rustc -Zprint-type-sizes).
+    let (mut counts, source) = match s.counter.count_now(parsed) {
+        Some(now) => now,
+        None => Box::pin(count_waiting(s, settings, parsed)).await?,
+    };
+    if let Prompts::Messages(c) = &parsed.prompts {
+        let media = c.media.images * settings.image_part_tokens
+            + c.media.audio * settings.audio_part_tokens;
+        if let Some(first) = counts.first_mut() {
+            *first += media;
+        }
+    }
+    Ok(Counted { counts, source })
+}
+
+/// The count that waits: an upstream `/tokenize` call or a long prompt
+/// encoded off the event loop, within the count timeout and the cap on
+/// requests counted at once; past the timeout, the bound estimate.
+async fn count_waiting(
+    s: &AppState,
+    settings: &Settings,
+    parsed: &ParsedRequest,
+) -> Result<(Vec<u64>, CountSource), GovernError> {
+    let timeout = Duration::from_millis(settings.count_timeout_ms);
+    let counted = tokio::time::timeout(timeout, async {
+        let _slot = s.counting.acquire().await;
+        s.counter.count(parsed).await
+    })
+    .await;
+    match counted {
+        Ok(r) => r,
+        Err(_) => {
+            tracing::info!(
+                "counting took over {} ms: the bound estimate counts",
+                timeout.as_millis()
+            );
+            Ok((
+                tokens::estimate(parsed, tokens::BOUND_BYTES_PER_TOKEN),
+                CountSource::EstimateAfterTimeout,
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::Governor;
+    use crate::learnt_estimate::LearntEstimate;
+    use crate::request::{parse, Endpoint};
+    use crate::tokens::TokenCounter;
+    use envelope_profile::Limits;
+    use std::borrow::Cow;
+    use std::sync::Arc;
+
+    fn upstream(counter: TokenCounter, image_part_tokens: u64) -> (AppState, Arc<Settings>) {
+        let mut l = Limits {
+            max_context_tokens: 4096,
+            max_output_tokens: 256,
+            max_concurrent_seqs: 4,
+            max_kv_tokens_in_flight: 16_384,
+            buckets: vec![],
+        };
+        l.buckets = vec![l.single_row()];
+        let mut settings = Settings::new(l, "p");
+        settings.image_part_tokens = image_part_tokens;
+        let gov = Governor::new(settings);
+        let settings = gov.settings();
+        (AppState::new(gov, "http://127.0.0.1:9", counter), settings)
+    }
+
+    fn estimate(bytes_per_token: f64) -> TokenCounter {
+        TokenCounter::Estimate { bytes_per_token }
+    }
+
+    #[tokio::test]
+    async fn a_tier_that_counts_the_same_way_takes_the_count() {
+        let text = parse(
+            Endpoint::Completions,
+            br#"{"prompt": "abcdefghijklmnopqrstuvwx"}"#,
+        )
+        .unwrap();
+        let (first, fs) = upstream(estimate(4.0), 85);
+        let counted = count(&first, &fs, &text).await.unwrap();
+        let by = (&first, &*fs);
+        // The same estimate: the count is taken, not made again.
+        let (same, ss) = upstream(estimate(4.0), 85);
+        let kept = counted.for_upstream(by, &same, &ss, &text).await.unwrap();
+        assert!(matches!(kept, Cow::Borrowed(_)));
+        // Another estimate: counted again, by its own rule.
+        let (other, os) = upstream(estimate(2.0), 85);
+        let again = counted.for_upstream(by, &other, &os, &text).await.unwrap();
+        assert!(matches!(again, Cow::Owned(_)));
+        assert_ne!(again.counts, counted.counts);
+        assert_eq!(*again, count(&other, &os, &text).await.unwrap());
+        // The same counter but another cost for an image part: counted again.
+        let (media, ms) = upstream(estimate(4.0), 10);
+        let again = counted.for_upstream(by, &media, &ms, &text).await.unwrap();
+        assert!(matches!(again, Cow::Owned(_)));
+        // Token ids count the same for everyone.
+        let ids = parse(Endpoint::Completions, br#"{"prompt": [1, 2, 3]}"#).unwrap();
+        let counted = count(&first, &fs, &ids).await.unwrap();
+        let kept = counted.for_upstream(by, &other, &os, &ids).await.unwrap();
+        assert!(matches!(kept, Cow::Borrowed(_)));
+        assert_eq!(kept.counts, [3]);
+    }
+
+    #[test]
+    fn counters_count_alike_only_when_they_are_the_same() {
+        let learnt = Arc::new(LearntEstimate::new(4.0));
+        let a = TokenCounter::Learnt(learnt.clone());
+        assert!(a.counts_as(&TokenCounter::Learnt(learnt)));
+        assert!(!a.counts_as(&TokenCounter::Learnt(Arc::new(LearntEstimate::new(4.0)))));
+        assert!(!a.counts_as(&estimate(4.0)));
+        assert!(estimate(3.5).counts_as(&estimate(3.5)));
+        assert!(!estimate(3.5).counts_as(&estimate(3.0)));
+    }
+
+    #[test]
+    fn one_tokenizer_file_loaded_twice_is_one_counter() {
+        let dir = std::env::temp_dir().join(format!("envelope-count-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, vocab: &str| {
+            let p = dir.join(name);
+            let json = format!(
+                r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{{"type":"Whitespace"}},"post_processor":null,"decoder":null,"model":{{"type":"WordLevel","vocab":{vocab},"unk_token":"[UNK]"}}}}"#
+            );
+            std::fs::write(&p, json).unwrap();
+            p
+        };
+        let a = write("a.json", r#"{"a":0,"b":1,"[UNK]":2}"#);
+        let b = write("b.json", r#"{"a":0,"c":1,"[UNK]":2}"#);
+        let first = TokenCounter::from_tokenizer_file(&a).unwrap();
+        assert!(first.counts_as(&TokenCounter::from_tokenizer_file(&a).unwrap()));
+        assert!(!first.counts_as(&TokenCounter::from_tokenizer_file(&b).unwrap()));
+        // Another chat template's tokens: not the same count.
+        let chat = crate::upstream_tokenize::ChatOverhead {
+            per_message: 3,
+            ..Default::default()
+        };
+        let other = TokenCounter::from_tokenizer_file(&a)
+            .unwrap()
+            .with_chat_overhead(chat);
+        assert!(!first.counts_as(&other));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
