@@ -91,7 +91,10 @@ trap 'rc=$?; kill_tree "$beside"; echo "== [${SECONDS}s] done (exit $rc)"' EXIT
 # rest, alone (tests/it/foreign_servers.rs says why).
 cargo test --profile ci --locked --workspace -- --skip foreign_servers::
 stage "cargo test: the foreign servers, alone"
-cargo test --profile ci --locked -p envelope --test it -- foreign_servers::
+# --workspace, as above: `-p envelope` would resolve features for that
+# package alone and rebuild a dozen crates (2 minutes). The other crates'
+# `it` binaries have no such module and run nothing.
+cargo test --profile ci --locked --workspace --test it -- foreign_servers::
 
 stage "clippy and the fuzz build (waiting for what is left of them)"
 if ! wait "$beside"; then
