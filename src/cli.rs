@@ -36,7 +36,7 @@ pub enum Command {
     Probe(ProbeArgs),
     /// Capacity plan: replicas a workload needs on a profile's node, per scenario and constraint.
     Plan(crate::plan::PlanArgs),
-    /// Gate a candidate profile against a baseline (exit 0 pass, 1 fail, 2 unusable input).
+    /// Gate a candidate profile against a baseline (exit 0 pass, 1 fail, 2 unusable input, 3 inconclusive).
     Gate(crate::gate::GateArgs),
     /// Perplexity, KL divergence and top-1 agreement of a precision against a reference.
     Quality(crate::quality::QualityArgs),

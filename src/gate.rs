@@ -1,6 +1,7 @@
 //! `envelope gate`: compare a candidate profile with a baseline under rules;
 //! prints the Markdown report, writes gate.json and gate.md with `--out`,
-//! and exits 0 (pass), 1 (a rule failed) or 2 (unusable input).
+//! and exits 0 (pass), 1 (a rule failed), 2 (unusable input) or 3
+//! (inconclusive: per-repeat figures that cannot tell a change from noise).
 
 use anyhow::{Context, Result};
 use clap::Args;

@@ -1,5 +1,6 @@
 //! `envelope gate` and `envelope quality` end to end: exit 0 on pass, 1 on
-//! a failed rule, 2 on unusable input.
+//! a failed rule, 2 on unusable input, 3 when per-repeat figures cannot
+//! tell a change from noise.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -89,7 +90,7 @@ fn exit_codes_pass_fail_unusable() {
     let md = String::from_utf8_lossy(&r.stdout);
     assert_eq!(r.status.code(), Some(1), "{md}");
     assert!(
-        md.contains("| `safe_concurrency >= 1.0 x baseline` | 64x32 | 13 | 11 | 13 | **FAIL** |"),
+        md.contains("| `safe_concurrency >= 1.0 x baseline` | 64x32 | 13 | 11 | 13 | one figure a side | **FAIL** |"),
         "{md}"
     );
 
@@ -111,6 +112,59 @@ fn exit_codes_pass_fail_unusable() {
         md.contains("Not comparable") && md.contains("model.sha256"),
         "{md}"
     );
+
+    // Per-repeat figures: one repeat a side within the noise floor cannot
+    // tell a change from drift (exit 3); past it, the rule is decided.
+    let decode_rules = dir.join("decode.toml");
+    std::fs::write(
+        &decode_rules,
+        "rules = [\"decode_tok_s >= 0.95 x baseline\"]\n",
+    )
+    .unwrap();
+    let with_repeats = |candidate_decode: f64| {
+        let mut p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(PROFILE).unwrap()).unwrap();
+        for c in p["configs"].as_array_mut().unwrap() {
+            let decode = match c["name"].as_str() {
+                Some("q8_0-f32-continuous") => candidate_decode,
+                _ => 100.0,
+            };
+            for b in c["buckets"].as_array_mut().unwrap() {
+                let mut probes = b["probes"].clone();
+                for probe in probes.as_array_mut().unwrap() {
+                    probe["decode_tok_per_s"] = decode.into();
+                }
+                b["repeats"] = serde_json::json!([{
+                    "feasible_concurrency": b["feasible_concurrency"],
+                    "safe_concurrency": b["safe_concurrency"],
+                    "probes": probes,
+                }]);
+            }
+        }
+        let path = dir.join(format!("repeats-{candidate_decode}.json"));
+        std::fs::write(&path, p.to_string()).unwrap();
+        path
+    };
+    for (decode, code, shown) in [(97.0, 3, "INCONCLUSIVE"), (60.0, 1, "FAIL")] {
+        let path = with_repeats(decode);
+        let r = envelope(&[
+            "gate",
+            "--baseline",
+            s(&path),
+            "--candidate",
+            s(&path),
+            "--rules",
+            s(&decode_rules),
+            "--baseline-config",
+            "as-stored-f32-continuous",
+            "--candidate-config",
+            "q8_0-f32-continuous",
+        ]);
+        let md = String::from_utf8_lossy(&r.stdout);
+        assert_eq!(r.status.code(), Some(code), "{md}");
+        assert!(md.contains(&format!("# Gate: {shown}")), "{md}");
+        assert!(md.contains("noise floor, 1 / 1 repeats"), "{md}");
+    }
 
     // Unreadable input and a bad rules file are exit 2, naming the file and field.
     let r = gate("a", "b", s(&dir.join("missing.json")), s(&rules));

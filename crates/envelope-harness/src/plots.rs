@@ -439,6 +439,7 @@ mod tests {
             at_feasible: None,
             feasible_rate_per_s: None,
             safe_rate_per_s: None,
+            repeats: vec![],
             probes: vec![
                 probe(1, 100.0, true),
                 probe(2, 180.0, true),

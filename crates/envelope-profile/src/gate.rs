@@ -2,7 +2,8 @@
 //! with a baseline: are the two comparable (same node, same model apart from
 //! precision, same buckets), what moved per bucket, and does each rule pass.
 //! Pure: parsing rules, comparing and rendering Markdown; the CLI does I/O
-//! and maps the verdict to an exit code (0 pass, 1 fail, 2 unusable).
+//! and maps the verdict to an exit code (0 pass, 1 fail, 2 unusable,
+//! 3 inconclusive: per-repeat figures that cannot tell a change from noise).
 
 use crate::{ConfigResult, Profile};
 use serde::Serialize;
@@ -14,7 +15,9 @@ mod rules;
 
 pub use comparable::{fingerprint_differences, Difference};
 pub use render::markdown;
-pub use rules::{evaluate, GateRules, Op, Rule, RulesError, Scope, DEFAULT_RULES, METRICS};
+pub use rules::{
+    evaluate, GateRules, Op, Rule, RulesError, Scope, DEFAULT_NOISE_FLOOR, DEFAULT_RULES, METRICS,
+};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MetricDelta {
@@ -42,6 +45,9 @@ pub enum RuleStatus {
     Fail,
     /// The metric was not measured on one side: counts as a failure.
     Missing,
+    /// The per-repeat figures cannot tell a change from noise at the
+    /// confidence asked: more repeats would.
+    Inconclusive,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -53,6 +59,23 @@ pub struct RuleResult {
     pub candidate: Option<f64>,
     pub threshold: Option<f64>,
     pub status: RuleStatus,
+    /// How it was decided: `point` (one figure a side against the
+    /// threshold), `interval` (per-repeat figures, a Welch interval at the
+    /// rules' confidence) or `noise_floor` (one repeat a side: decided
+    /// only past the noise floor).
+    pub method: &'static str,
+    /// Candidate over the threshold (per-repeat methods): above 1 is
+    /// better for `>=`, below 1 for `<=`; with its interval.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interval: Option<(f64, f64)>,
+    /// Repeats compared (baseline, candidate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repeats: Option<(usize, usize)>,
+    /// Inconclusive: about how many repeats a side would decide it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repeats_needed: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -61,6 +84,8 @@ pub enum Verdict {
     Pass,
     Fail,
     Unusable,
+    /// No rule failed, but at least one cannot tell a change from noise.
+    Inconclusive,
 }
 
 impl Verdict {
@@ -69,6 +94,7 @@ impl Verdict {
             Verdict::Pass => 0,
             Verdict::Fail => 1,
             Verdict::Unusable => 2,
+            Verdict::Inconclusive => 3,
         }
     }
 }
@@ -110,6 +136,9 @@ pub struct GateReport {
     pub quality_metrics: Vec<MetricDelta>,
     pub buckets: Vec<BucketComparison>,
     pub rules: Vec<RuleResult>,
+    /// The rules' confidence and noise floor (fractions).
+    pub confidence: f64,
+    pub noise_floor: f64,
 }
 
 fn bucket_name(k: (u32, u32)) -> String {
@@ -150,6 +179,8 @@ pub fn gate(baseline: &Profile, candidate: &Profile, rules: &GateRules) -> GateR
         quality_metrics: vec![],
         buckets: vec![],
         rules: vec![],
+        confidence: rules.confidence,
+        noise_floor: rules.noise_floor,
     };
     let (bc, cc) = match (bc, cc) {
         (Ok(b), Ok(c)) => (b, c),
@@ -169,12 +200,15 @@ pub fn gate(baseline: &Profile, candidate: &Profile, rules: &GateRules) -> GateR
     report.quality_metrics = measured.quality;
     report.buckets = measured.buckets;
     report.comparable = unusable.is_empty();
+    let any = |s: RuleStatus| report.rules.iter().any(|r| r.status == s);
     report.verdict = if !unusable.is_empty() {
         Verdict::Unusable
-    } else if report.rules.iter().all(|r| r.status == RuleStatus::Pass) {
-        Verdict::Pass
-    } else {
+    } else if any(RuleStatus::Fail) || any(RuleStatus::Missing) {
         Verdict::Fail
+    } else if any(RuleStatus::Inconclusive) {
+        Verdict::Inconclusive
+    } else {
+        Verdict::Pass
     };
     report.unusable_reasons = unusable;
     report

@@ -4,6 +4,7 @@
 //! No GPU, no async, no engine: everything here is data and unit-tested.
 
 pub mod capacity;
+pub mod confidence;
 pub mod gate;
 pub mod plan;
 pub mod quality;

@@ -187,6 +187,19 @@ pub struct BucketResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub safe_rate_per_s: Option<f64>,
     pub probes: Vec<ProbeSummary>,
+    /// With `--repeats`: each repeat's search of this bucket, in run order
+    /// (the gate compares these, not the single figures above).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub repeats: Vec<BucketRepeat>,
+}
+
+/// One repeat of a bucket's search.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BucketRepeat {
+    pub feasible_concurrency: u32,
+    pub safe_concurrency: u32,
+    pub probes: Vec<ProbeSummary>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, JsonSchema)]

@@ -183,6 +183,7 @@ pub fn bucket_result(
         at_feasible,
         feasible_rate_per_s: feasible_rate,
         safe_rate_per_s: feasible_rate.map(|r| r * (1.0 - headroom)),
+        repeats: vec![],
         probes: summaries,
     }
 }

@@ -2,10 +2,11 @@
 //! per profile (quality) and per bucket (at each side's safe point), and
 //! every rule evaluated on those figures.
 
-use super::rules::{evaluate, metric_info, GateRules, Scope, METRICS};
-use super::{bucket_name, BucketComparison, MetricDelta, RuleResult};
+use super::rules::{evaluate, metric_info, GateRules, Op, Rule, Scope, METRICS};
+use super::{bucket_name, BucketComparison, MetricDelta, RuleResult, RuleStatus};
+use crate::confidence::{compare_repeats, Decision};
 use crate::plan::safe_point_probe;
-use crate::{ConfigResult, Profile};
+use crate::{BucketResult, ConfigResult, ProbeSummary, Profile};
 
 fn delta(metric: &str, baseline: Option<f64>, candidate: Option<f64>) -> MetricDelta {
     MetricDelta {
@@ -21,18 +22,27 @@ fn delta(metric: &str, baseline: Option<f64>, candidate: Option<f64>) -> MetricD
 }
 
 fn bucket_metric(c: &ConfigResult, key: (u32, u32), metric: &str) -> Option<f64> {
-    let b = c
-        .buckets
-        .iter()
-        .find(|b| (b.input_tokens, b.output_tokens) == key)?;
+    let b = bucket_of(c, key)?;
     if metric == "safe_concurrency" {
         return Some(b.safe_concurrency as f64);
     }
+    // Rates scale with the concurrency (a feasible probe's figures scaled
+    // down to the safe point); latencies do not.
     let (p, scale, _) = safe_point_probe(b)?;
+    let v = probe_metric(p, metric)?;
+    Some(if metric.ends_with("_tok_s") {
+        v * scale
+    } else {
+        v
+    })
+}
+
+/// A probe's figure for a per-bucket metric (not `safe_concurrency`).
+fn probe_metric(p: &ProbeSummary, metric: &str) -> Option<f64> {
     Some(match metric {
-        "decode_tok_s" => p.decode_tok_per_s * scale,
-        "prefill_tok_s" => p.prefill_tok_per_s * scale,
-        "output_tok_s" => p.output_tok_per_s * scale,
+        "decode_tok_s" => p.decode_tok_per_s,
+        "prefill_tok_s" => p.prefill_tok_per_s,
+        "output_tok_s" => p.output_tok_per_s,
         "ttft_p50_ms" => p.ttft_ms.p50,
         "ttft_p95_ms" => p.ttft_ms.p95,
         "ttft_p99_ms" => p.ttft_ms.p99,
@@ -42,6 +52,68 @@ fn bucket_metric(c: &ConfigResult, key: (u32, u32), metric: &str) -> Option<f64>
         "e2e_p95_ms" => p.e2e_ms.p95,
         _ => return None,
     })
+}
+
+fn bucket_of(c: &ConfigResult, key: (u32, u32)) -> Option<&BucketResult> {
+    c.buckets
+        .iter()
+        .find(|b| (b.input_tokens, b.output_tokens) == key)
+}
+
+/// Each repeat's figure for `metric` in a bucket: its safe concurrency,
+/// or its valid probe's figure at concurrency `at`. Empty without repeats.
+fn repeat_values(b: &BucketResult, metric: &str, at: u32) -> Vec<f64> {
+    b.repeats
+        .iter()
+        .filter_map(|r| {
+            if metric == "safe_concurrency" {
+                return Some(r.safe_concurrency as f64);
+            }
+            let p = r
+                .probes
+                .iter()
+                .rev()
+                .find(|p| p.valid && p.concurrency == at)?;
+            probe_metric(p, metric)
+        })
+        .collect()
+}
+
+/// A relative rule on per-repeat figures of both sides, compared at the
+/// lower of the two safe concurrencies; `None` where a side has none (the
+/// point rule then applies).
+fn repeat_rule(
+    rules: &GateRules,
+    r: &Rule,
+    bc: &ConfigResult,
+    cc: &ConfigResult,
+    key: (u32, u32),
+) -> Option<(
+    RuleStatus,
+    crate::confidence::RepeatComparison,
+    (usize, usize),
+)> {
+    let (b, c) = (bucket_of(bc, key)?, bucket_of(cc, key)?);
+    let at = b.safe_concurrency.min(c.safe_concurrency);
+    let (bv, cv) = (
+        repeat_values(b, &r.metric, at),
+        repeat_values(c, &r.metric, at),
+    );
+    let higher_is_better = matches!(r.op, Op::Ge | Op::Gt);
+    let cmp = compare_repeats(
+        &bv,
+        &cv,
+        r.number,
+        higher_is_better,
+        rules.confidence,
+        rules.noise_floor,
+    )?;
+    let status = match cmp.decision {
+        Decision::Holds => RuleStatus::Pass,
+        Decision::Breached => RuleStatus::Fail,
+        Decision::Undecided => RuleStatus::Inconclusive,
+    };
+    Some((status, cmp, (bv.len(), cv.len())))
 }
 
 fn config_metric(c: &ConfigResult, metric: &str) -> Option<f64> {
@@ -133,41 +205,67 @@ pub(super) fn rule_results(
     bc: &ConfigResult,
     cc: &ConfigResult,
 ) -> Vec<RuleResult> {
+    let point = |r: &Rule, bucket: Option<String>, b: Option<f64>, c: Option<f64>| {
+        let (threshold, status) = evaluate(r, b, c);
+        RuleResult {
+            rule: r.text.clone(),
+            bucket,
+            baseline: b,
+            candidate: c,
+            threshold,
+            status,
+            method: "point",
+            ratio: None,
+            interval: None,
+            repeats: None,
+            repeats_needed: None,
+        }
+    };
     let mut out = vec![];
     for r in &rules.rules {
         let scope = metric_info(&r.metric).map(|m| m.0).unwrap_or(Scope::Config);
-        let mut push = |bucket: Option<String>, b: Option<f64>, c: Option<f64>| {
-            let (threshold, status) = evaluate(r, b, c);
-            out.push(RuleResult {
-                rule: r.text.clone(),
-                bucket,
-                baseline: b,
-                candidate: c,
-                threshold,
-                status,
-            });
-        };
         match scope {
             Scope::Bucket => {
                 for b in &measured.buckets {
                     let m = b.metrics.iter().find(|m| m.metric == r.metric);
-                    push(
+                    let mut result = point(
+                        r,
                         Some(b.bucket.clone()),
                         m.and_then(|m| m.baseline),
                         m.and_then(|m| m.candidate),
                     );
+                    // Per-repeat figures on both sides decide a relative
+                    // rule instead of the one figure a side.
+                    let key = b
+                        .bucket
+                        .split_once('x')
+                        .and_then(|(i, o)| Some((i.parse().ok()?, o.parse().ok()?)));
+                    let repeats = key
+                        .filter(|_| r.relative_to_baseline)
+                        .and_then(|k| repeat_rule(rules, r, bc, cc, k));
+                    if let Some((status, cmp, n)) = repeats {
+                        result.status = status;
+                        result.method = cmp.method;
+                        result.ratio = Some(cmp.ratio);
+                        result.interval = cmp.interval;
+                        result.repeats = Some(n);
+                        result.repeats_needed = cmp.repeats_needed;
+                    }
+                    out.push(result);
                 }
             }
-            Scope::Config => push(
+            Scope::Config => out.push(point(
+                r,
                 None,
                 config_metric(bc, &r.metric),
                 config_metric(cc, &r.metric),
-            ),
-            Scope::Quality => push(
+            )),
+            Scope::Quality => out.push(point(
+                r,
                 None,
                 quality_metric(baseline, &r.metric),
                 quality_metric(candidate, &r.metric),
-            ),
+            )),
         }
     }
     out

@@ -1,6 +1,6 @@
 //! The gate report as Markdown (what the CLI prints and writes as gate.md).
 
-use super::{GateReport, MetricDelta, RuleStatus, Side, Verdict};
+use super::{GateReport, MetricDelta, RuleResult, RuleStatus, Side, Verdict};
 
 fn num(v: Option<f64>) -> String {
     match v {
@@ -30,6 +30,23 @@ fn table(out: &mut String, rows: &[MetricDelta]) {
     }
 }
 
+/// How a rule was decided, for the table: the point figures, or the
+/// ratio to the threshold with its interval and the repeats compared.
+fn decided_by(x: &RuleResult) -> String {
+    let n = x
+        .repeats
+        .map(|(b, c)| format!(", {b} / {c} repeats"))
+        .unwrap_or_default();
+    match (x.method, x.ratio, x.interval) {
+        ("point", _, _) => "one figure a side".into(),
+        (_, Some(ratio), Some((lo, hi))) => {
+            format!("ratio {ratio:.3} ({lo:.3}-{hi:.3}){n}")
+        }
+        (m, Some(ratio), None) => format!("ratio {ratio:.3}, {}{n}", m.replace('_', " ")),
+        (m, _, _) => m.replace('_', " "),
+    }
+}
+
 /// The report as Markdown (also what the CLI prints).
 pub fn markdown(r: &GateReport) -> String {
     let mut o = String::new();
@@ -37,6 +54,7 @@ pub fn markdown(r: &GateReport) -> String {
         Verdict::Pass => "PASS",
         Verdict::Fail => "FAIL",
         Verdict::Unusable => "UNUSABLE INPUT",
+        Verdict::Inconclusive => "INCONCLUSIVE",
     };
     o.push_str(&format!("# Gate: {verdict}\n\n"));
     let side = |s: &Option<Side>| {
@@ -78,24 +96,33 @@ pub fn markdown(r: &GateReport) -> String {
         o.push('\n');
     }
     if !r.rules.is_empty() {
-        o.push_str("## Rules\n\n| rule | bucket | baseline | candidate | threshold | result |\n|---|---|---:|---:|---:|---|\n");
+        o.push_str("## Rules\n\n| rule | bucket | baseline | candidate | threshold | decided by | result |\n|---|---|---:|---:|---:|---|---|\n");
         for x in &r.rules {
             let s = match x.status {
-                RuleStatus::Pass => "pass",
-                RuleStatus::Fail => "**FAIL**",
-                RuleStatus::Missing => "**FAIL** (not measured)",
+                RuleStatus::Pass => "pass".to_string(),
+                RuleStatus::Fail => "**FAIL**".into(),
+                RuleStatus::Missing => "**FAIL** (not measured)".into(),
+                RuleStatus::Inconclusive => match x.repeats_needed {
+                    Some(n) => format!("inconclusive (about {n} repeats a side would decide it)"),
+                    None => "inconclusive".into(),
+                },
             };
             o.push_str(&format!(
-                "| `{}` | {} | {} | {} | {} | {} |\n",
+                "| `{}` | {} | {} | {} | {} | {} | {} |\n",
                 x.rule,
                 x.bucket.as_deref().unwrap_or("-"),
                 num(x.baseline),
                 num(x.candidate),
                 num(x.threshold),
+                decided_by(x),
                 s
             ));
         }
-        o.push('\n');
+        o.push_str(&format!(
+            "Per-repeat rules are decided at {:.0}% confidence; with one repeat a side, only past the noise floor of {:.0}%. The ratio is the candidate over the threshold.\n\n",
+            r.confidence * 100.0,
+            r.noise_floor * 100.0
+        ));
     }
     if !r.config_metrics.is_empty() {
         o.push_str("## Memory\n\n");

@@ -150,7 +150,13 @@ struct RulesFile {
     allow_differences: Vec<String>,
     baseline_config: Option<String>,
     candidate_config: Option<String>,
+    confidence: Option<f64>,
+    noise_floor: Option<f64>,
 }
+
+/// The noise floor when a rules file names none: a relative rule on one
+/// repeat a side is decided only past 10%.
+pub const DEFAULT_NOISE_FLOOR: f64 = 0.1;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GateRules {
@@ -161,6 +167,12 @@ pub struct GateRules {
     /// Configurations to compare (default: each profile's `selected`).
     pub baseline_config: Option<String>,
     pub candidate_config: Option<String>,
+    /// How sure a relative rule on per-repeat figures must be to fail or
+    /// pass (default [`crate::confidence::DEFAULT_CONFIDENCE`]).
+    pub confidence: f64,
+    /// The run-to-run drift below which a relative rule cannot tell a
+    /// change from noise, as a fraction (default [`DEFAULT_NOISE_FLOOR`]).
+    pub noise_floor: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -186,11 +198,27 @@ impl GateRules {
             .enumerate()
             .map(|(i, r)| Rule::parse(r).map_err(|m| bad(format!("field `rules[{i}]`: {m}"))))
             .collect::<Result<_, _>>()?;
+        let confidence = f
+            .confidence
+            .unwrap_or(crate::confidence::DEFAULT_CONFIDENCE);
+        if !(0.5..1.0).contains(&confidence) {
+            return Err(bad(format!(
+                "field `confidence`: {confidence} is not in [0.5, 1)"
+            )));
+        }
+        let noise_floor = f.noise_floor.unwrap_or(DEFAULT_NOISE_FLOOR);
+        if !(0.0..1.0).contains(&noise_floor) {
+            return Err(bad(format!(
+                "field `noise_floor`: {noise_floor} is not in [0, 1)"
+            )));
+        }
         Ok(GateRules {
             rules,
             allow_differences: f.allow_differences,
             baseline_config: f.baseline_config,
             candidate_config: f.candidate_config,
+            confidence,
+            noise_floor,
         })
     }
 

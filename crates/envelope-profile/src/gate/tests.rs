@@ -50,6 +50,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
         at_feasible: Some(probe(safe + 1, decode * 1.1)),
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        repeats: vec![],
         probes: vec![probe(safe, decode), probe(safe + 1, decode * 1.1)],
     };
     Profile {
@@ -283,4 +284,112 @@ fn incomparable_profiles_are_unusable_and_say_why() {
     let kind = |f: &str| diffs.iter().find(|d| d.field == f).map(|d| d.kind.clone());
     assert_eq!(kind("node.gpus.0.name").as_deref(), Some("blocking"));
     assert_eq!(kind("node.gpus.0.uuid_hash").as_deref(), Some("note"));
+}
+
+/// Each bucket's repeats: one search a value, its probe at the safe
+/// concurrency with that decode rate.
+fn with_repeats(mut p: Profile, decode: &[f64]) -> Profile {
+    for b in &mut p.configs[0].buckets {
+        b.repeats = decode
+            .iter()
+            .map(|&d| crate::BucketRepeat {
+                feasible_concurrency: b.feasible_concurrency,
+                safe_concurrency: b.safe_concurrency,
+                probes: vec![probe(b.safe_concurrency, d)],
+            })
+            .collect();
+    }
+    p
+}
+
+/// `n` decode rates, lognormal with CV 8% around `mean`.
+fn drift(rng: &mut rand::rngs::StdRng, mean: f64, n: usize) -> Vec<f64> {
+    use rand_distr::Distribution;
+    let sigma = (1.0f64 + 0.08 * 0.08).ln().sqrt();
+    let d = rand_distr::LogNormal::new(mean.ln() - sigma * sigma / 2.0, sigma).unwrap();
+    (0..n).map(|_| d.sample(rng)).collect()
+}
+
+fn decode_rule() -> GateRules {
+    GateRules::from_toml(r#"rules = ["decode_tok_s >= 0.95 x baseline"]"#, "t.toml").unwrap()
+}
+
+/// Exit codes of 100 seeded gates of a baseline at 100 tok/s against a
+/// candidate at `mean`, `n` repeats a side.
+fn exits(mean: f64, n: usize) -> [usize; 4] {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let mut out = [0; 4];
+    for _ in 0..100 {
+        let a = with_repeats(
+            profile("f16", 4, 100.0, 0.0, 1.0),
+            &drift(&mut rng, 100.0, n),
+        );
+        let b = with_repeats(
+            profile("q8_0", 4, 100.0, 0.0, 1.0),
+            &drift(&mut rng, mean, n),
+        );
+        out[gate(&a, &b, &decode_rule()).verdict.exit_code() as usize] += 1;
+    }
+    out
+}
+
+#[test]
+fn per_repeat_figures_tell_drift_from_a_regression() {
+    let n = crate::confidence::GATE_REPEATS;
+    let same = exits(100.0, n);
+    assert!(same[0] >= 95, "unchanged, exits 0/1/2/3: {same:?}");
+    let slower = exits(85.0, n);
+    assert!(slower[1] >= 95, "15% slower, exits 0/1/2/3: {slower:?}");
+}
+
+#[test]
+fn one_repeat_within_the_noise_floor_is_inconclusive() {
+    let a = with_repeats(profile("f16", 4, 100.0, 0.0, 1.0), &[100.0]);
+    let b = with_repeats(profile("q8_0", 4, 100.0, 0.0, 1.0), &[93.0]);
+    let r = gate(&a, &b, &decode_rule());
+    assert_eq!(
+        (r.verdict, r.verdict.exit_code()),
+        (Verdict::Inconclusive, 3)
+    );
+    assert!(
+        r.rules.iter().all(|x| x.method == "noise_floor"),
+        "{:?}",
+        r.rules
+    );
+    let md = markdown(&r);
+    assert!(md.contains("# Gate: INCONCLUSIVE"), "{md}");
+    assert!(md.contains("repeats a side would decide it"), "{md}");
+    // Past the noise floor it is decided, either way.
+    let c = with_repeats(profile("q8_0", 4, 100.0, 0.0, 1.0), &[70.0]);
+    assert_eq!(gate(&a, &c, &decode_rule()).verdict, Verdict::Fail);
+    // Without repeats on one side: the point rule, as before.
+    let d = profile("q8_0", 4, 93.0, 0.0, 1.0);
+    let r = gate(&a, &d, &decode_rule());
+    assert_eq!(r.verdict, Verdict::Fail);
+    assert!(r.rules.iter().all(|x| x.method == "point"));
+}
+
+#[test]
+fn the_rules_file_sets_the_confidence_and_the_noise_floor() {
+    let r = GateRules::from_toml(
+        "rules = [\"decode_tok_s >= 0.95 x baseline\"]\nconfidence = 0.99\nnoise_floor = 0.05",
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!((r.confidence, r.noise_floor), (0.99, 0.05));
+    let d = GateRules::default_rules();
+    assert_eq!((d.confidence, d.noise_floor), (0.9, 0.1));
+    for (field, bad) in [
+        ("confidence", "1.0"),
+        ("confidence", "0.2"),
+        ("noise_floor", "-0.1"),
+    ] {
+        let e = GateRules::from_toml(
+            &format!("rules = [\"decode_tok_s >= 1\"]\n{field} = {bad}"),
+            "t.toml",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains(&format!("field `{field}`")), "{e}");
+    }
 }

@@ -240,6 +240,7 @@ fn no_safe_point_says_why_per_configuration() {
         at_feasible: None,
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        repeats: vec![],
         probes: vec![probe(1)],
     };
     let config = |name: &str, error: Option<&str>| ConfigResult {
