@@ -111,6 +111,11 @@ pub struct SweepArgs {
     /// Compute threads (default: all cores).
     #[arg(long, env = "ENVELOPE_THREADS")]
     pub threads: Option<usize>,
+    /// Run the whole search this many times (every configuration once a
+    /// repeat, in turn), overriding `load.repeats`; the gate compares the
+    /// repeats (docs/gate.md asks for 12 a side).
+    #[arg(long, env = "ENVELOPE_SWEEP_REPEATS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: Option<u32>,
 }
 
 #[derive(Args, Debug)]

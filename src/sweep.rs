@@ -8,6 +8,9 @@ use envelope_telemetry::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerp
 
 pub fn run(args: &SweepArgs) -> Result<()> {
     let mut cfg = BenchConfig::load(&args.config)?;
+    if let Some(r) = args.repeats {
+        cfg.load.repeats = r;
+    }
     if let Some(d) = cfg.device.clone() {
         if !matches!(cfg.target, Target::Engine) {
             anyhow::bail!(

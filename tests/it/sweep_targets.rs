@@ -116,6 +116,34 @@ fn bucket(profile: &Value) -> &Value {
 }
 
 #[test]
+fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
+    let d = out_dir("repeats");
+    let cfg = format!(
+        "[target]\nkind = \"engine\"\nmodel = \"dummy:tiny\"\nkv_cache_bytes = \"{KV_BYTES}\"\n{MATRIX}{LOAD}repeats = 2\n{SLO}"
+    );
+    let (probes, profile) = sweep(&d, &cfg);
+    let ran = |r: u64| probes.iter().filter(|p| p["probe"]["repeat"] == r).count();
+    assert!(ran(0) > 0 && ran(1) > 0, "{}", probes.len());
+    assert_eq!(ran(0) + ran(1), probes.len());
+    let b = bucket(&profile);
+    let repeats = b["repeats"].as_array().unwrap();
+    assert_eq!(repeats.len(), 2, "{b}");
+    // The KV arithmetic binds both searches at the same point.
+    for r in repeats {
+        assert_eq!(r["feasible_concurrency"], 12, "{r}");
+        assert_eq!(r["safe_concurrency"], b["safe_concurrency"], "{r}");
+        assert!(!r["probes"].as_array().unwrap().is_empty());
+    }
+    let report = std::fs::read_to_string(d.join("out/report.md")).unwrap();
+    assert!(report.contains("over 2 repeats"), "{report}");
+    let csv = std::fs::read_to_string(d.join("out/probes.csv")).unwrap();
+    assert!(
+        csv.lines().next().unwrap().starts_with("probe,repeat,"),
+        "{csv}"
+    );
+}
+
+#[test]
 fn engine_and_launch_targets_agree_within_one_ladder_step() {
     let d = out_dir("engine");
     let engine_cfg = format!(

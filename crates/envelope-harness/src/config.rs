@@ -147,6 +147,11 @@ pub struct LoadConfig {
     pub rounds: u32,
     #[serde(default = "eight")]
     pub min_requests: u32,
+    /// How many times the whole search runs (`envelope sweep --repeats`),
+    /// every configuration once a repeat, in turn, so that drift hits
+    /// all alike. Profiles keep each repeat's search per bucket.
+    #[serde(default = "one")]
+    pub repeats: u32,
     /// poisson: the searched rates are multiples of `rate_step_per_s`
     /// between `rate_min_per_s` and `rate_max_per_s`.
     #[serde(default = "rate_one")]
@@ -261,6 +266,7 @@ impl Default for LoadConfig {
             mode: closed(),
             rounds: 2,
             min_requests: 8,
+            repeats: 1,
             rate_step_per_s: 1.0,
             rate_min_per_s: 1.0,
             rate_max_per_s: 64.0,
@@ -634,6 +640,9 @@ impl BenchConfig {
         }
         if raw.load.rounds == 0 {
             return Err(err("load.rounds must be at least 1".into()));
+        }
+        if raw.load.repeats == 0 {
+            return Err(err("load.repeats must be at least 1".into()));
         }
         if !(positive(l.max_client_gap_ms) && positive(l.late_after_ms)) {
             return Err(err(format!(

@@ -10,6 +10,16 @@ fn cell(s: &str) -> String {
     s.replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
+/// With repeats of the search: the range of the safe point over them
+/// (the figure shown is the lower median's).
+fn repeats_range(b: &envelope_profile::BucketResult) -> String {
+    let safe = b.repeats.iter().map(|r| r.safe_concurrency);
+    match (safe.clone().min(), safe.max(), b.repeats.len()) {
+        (Some(lo), Some(hi), n) if n > 1 => format!(" ({lo}-{hi} over {n} repeats)"),
+        _ => String::new(),
+    }
+}
+
 fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
     c.buckets
         .iter()
@@ -22,7 +32,7 @@ fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
                 match b.safe_rate_per_s {
                     Some(r) => format!("{} ({r:.2} req/s)", b.safe_concurrency),
                     None => b.safe_concurrency.to_string(),
-                },
+                } + &repeats_range(b),
                 b.binding_constraint.as_str().to_string(),
                 b.knee_concurrency.map_or("-".into(), |k| k.to_string()),
                 a.map_or("-".into(), |a| format!("{:.1}", a.output_tok_per_s)),

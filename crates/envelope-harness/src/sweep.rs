@@ -17,6 +17,8 @@ use std::path::Path;
 pub struct RequestRow {
     /// Joins with `probes.csv`.
     pub probe: u32,
+    /// The repeat of the whole search it ran in (`load.repeats`; from 0).
+    pub repeat: u32,
     pub config: String,
     pub bucket: String,
     /// The probe's concurrency (open loop: the most in flight).
@@ -44,6 +46,8 @@ pub struct RequestRow {
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeRow {
     pub probe: u32,
+    /// The repeat of the whole search it ran in (`load.repeats`; from 0).
+    pub repeat: u32,
     pub config: String,
     pub bucket: String,
     /// Closed loop: the concurrency; open loop: the most requests in flight.
@@ -109,7 +113,7 @@ pub enum SweepEvent<'a> {
 mod session;
 mod summary;
 use session::{open, Session};
-pub use summary::{breaches, bucket_result, knee, kv_tokens_limit, summarise};
+pub use summary::{breaches, bucket_result, knee, kv_tokens_limit, merge_repeats, summarise};
 
 /// Restarts of a launched server after crashes, per configuration.
 const MAX_RESTARTS: u32 = 3;
@@ -117,6 +121,8 @@ const MAX_RESTARTS: u32 = 3;
 struct Ctx<'a> {
     cfg: &'a BenchConfig,
     log_dir: &'a Path,
+    /// The repeat of the whole search under way.
+    repeat: u32,
     probes_total: u32,
     requests: Vec<RequestRow>,
     probes: Vec<ProbeRow>,
@@ -432,6 +438,7 @@ fn push_rows(
     for r in &run.records {
         ctx.requests.push(RequestRow {
             probe: probe_id,
+            repeat: ctx.repeat,
             config: name.to_string(),
             bucket: bname.to_string(),
             concurrency: s.concurrency,
@@ -466,6 +473,7 @@ fn push_rows(
         }));
     ctx.probes.push(ProbeRow {
         probe: probe_id,
+        repeat: ctx.repeat,
         config: name.to_string(),
         bucket: bname.to_string(),
         concurrency: s.concurrency,
@@ -537,16 +545,25 @@ pub fn run_sweep(
     let mut ctx = Ctx {
         cfg,
         log_dir,
+        repeat: 0,
         probes_total: 0,
         requests: vec![],
         probes: vec![],
         telemetry: vec![],
     };
-    let configs: Vec<ConfigResult> = cfg
-        .points
-        .iter()
-        .map(|p| run_point(&mut ctx, p, progress))
-        .collect();
+    // Every configuration once a repeat, in turn: drift over the run hits
+    // all of them alike.
+    let mut repeats: Vec<Vec<ConfigResult>> = vec![];
+    for r in 0..cfg.load.repeats.max(1) {
+        ctx.repeat = r;
+        let run: Vec<ConfigResult> = cfg
+            .points
+            .iter()
+            .map(|p| run_point(&mut ctx, p, progress))
+            .collect();
+        repeats.push(run);
+    }
+    let configs = merge_repeats(repeats);
     let mut fingerprint = fingerprint;
     record_served_model(&mut fingerprint, &configs);
     let probes_total = ctx.probes_total;

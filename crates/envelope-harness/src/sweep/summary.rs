@@ -8,7 +8,9 @@ use crate::load::ProbeRun;
 use crate::record::RequestRecord;
 use envelope_profile::capacity::with_headroom;
 use envelope_profile::Percentiles;
-use envelope_profile::{Bracket, BucketResult, ConfigResult, Constraint, ProbeSummary, Slo};
+use envelope_profile::{
+    Bracket, BucketRepeat, BucketResult, ConfigResult, Constraint, ProbeSummary, Slo,
+};
 
 /// Summarises a probe and checks it against the SLOs (and, for its
 /// validity, against `load`'s client tolerances).
@@ -202,6 +204,60 @@ pub fn kv_tokens_limit(c: &ConfigResult, headroom: f64) -> u64 {
             .unwrap_or(0)
     };
     limit.max(1)
+}
+
+/// One result per configuration from the repeats of the whole search
+/// (each holding every configuration, in the same order). With one
+/// repeat, that repeat. With more, each bucket is the repeat with the
+/// lower median safe point (the figures a single search would have given,
+/// chosen without favouring the lucky run) and lists every repeat's
+/// search; a configuration's peak memory is the highest of its repeats,
+/// and an error in any repeat is kept.
+pub fn merge_repeats(mut repeats: Vec<Vec<ConfigResult>>) -> Vec<ConfigResult> {
+    if repeats.len() <= 1 {
+        return repeats.pop().unwrap_or_default();
+    }
+    let rest = repeats.split_off(1);
+    let mut merged = repeats.pop().unwrap_or_default();
+    for (i, c) in merged.iter_mut().enumerate() {
+        let all: Vec<&ConfigResult> = std::iter::once(&*c)
+            .chain(rest.iter().filter_map(|r| r.get(i)))
+            .collect();
+        let buckets: Vec<BucketResult> = c
+            .buckets
+            .iter()
+            .map(|b| {
+                let key = (b.input_tokens, b.output_tokens);
+                let mut runs: Vec<&BucketResult> = all
+                    .iter()
+                    .filter_map(|c| {
+                        c.buckets
+                            .iter()
+                            .find(|x| (x.input_tokens, x.output_tokens) == key)
+                    })
+                    .collect();
+                let searches = runs
+                    .iter()
+                    .map(|x| BucketRepeat {
+                        feasible_concurrency: x.feasible_concurrency,
+                        safe_concurrency: x.safe_concurrency,
+                        probes: x.probes.clone(),
+                    })
+                    .collect();
+                // Stable: equal safe points keep run order.
+                runs.sort_by_key(|x| x.safe_concurrency);
+                let mut chosen = runs[(runs.len() - 1) / 2].clone();
+                chosen.repeats = searches;
+                chosen
+            })
+            .collect();
+        let peak = all.iter().filter_map(|c| c.memory.peak_bytes).max();
+        let error = all.iter().find_map(|c| c.error.clone());
+        c.buckets = buckets;
+        c.memory.peak_bytes = peak;
+        c.error = error;
+    }
+    merged
 }
 
 #[cfg(test)]

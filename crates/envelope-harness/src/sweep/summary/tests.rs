@@ -266,3 +266,78 @@ fn no_safe_point_says_why_per_configuration() {
         "a: no bucket was safe at any load: 64x32 breached ttft_p95 already at concurrency 1 | b: server check failed: HTTP 500"
     );
 }
+
+fn bucket(input_tokens: u32, output_tokens: u32, safe: u32) -> BucketResult {
+    BucketResult {
+        input_tokens,
+        output_tokens,
+        feasible_concurrency: safe + 1,
+        infeasible_concurrency: None,
+        safe_concurrency: safe,
+        binding_constraint: Constraint::SearchCap,
+        knee_concurrency: None,
+        at_feasible: None,
+        feasible_rate_per_s: None,
+        safe_rate_per_s: None,
+        probes: vec![],
+        repeats: vec![],
+    }
+}
+
+#[test]
+fn repeats_keep_every_search_and_the_lower_median_safe_point() {
+    let config = |safe: &[u32], peak: u64, error: Option<&str>| ConfigResult {
+        name: "c".into(),
+        precision: "q4_1".into(),
+        kv_dtype: "f32".into(),
+        batch_policy: "continuous".into(),
+        max_num_seqs: 8,
+        memory: envelope_profile::MemoryReport {
+            peak_bytes: Some(peak),
+            ..Default::default()
+        },
+        backend: None,
+        buckets: safe
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let mut b = bucket(64 * (i as u32 + 1), 32, s);
+                b.probes = vec![probe(s, 10.0 * s as f64)];
+                b
+            })
+            .collect(),
+        error: error.map(String::from),
+        server_checks: None,
+        time_to_ready_s: None,
+        workload: None,
+    };
+    // One repeat: itself, no repeats listed.
+    let one = merge_repeats(vec![vec![config(&[4], 10, None)]]);
+    assert_eq!(one, vec![config(&[4], 10, None)]);
+    // Three repeats of two buckets: safe points (5, 3, 4) and (2, 2, 6).
+    let merged = merge_repeats(vec![
+        vec![config(&[5, 2], 10, None)],
+        vec![config(&[3, 2], 30, Some("crashed once"))],
+        vec![config(&[4, 6], 20, None)],
+    ]);
+    let c = &merged[0];
+    let safe = |b: usize| {
+        c.buckets[b]
+            .repeats
+            .iter()
+            .map(|r| r.safe_concurrency)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(safe(0), [5, 3, 4]);
+    assert_eq!(safe(1), [2, 2, 6]);
+    // The lower median of each, with its own probes.
+    assert_eq!(c.buckets[0].safe_concurrency, 4);
+    assert_eq!(c.buckets[0].probes[0].concurrency, 4);
+    assert_eq!(c.buckets[1].safe_concurrency, 2);
+    assert_eq!(c.buckets[0].repeats[1].probes[0].output_tok_per_s, 30.0);
+    assert_eq!(c.memory.peak_bytes, Some(30));
+    assert_eq!(c.error.as_deref(), Some("crashed once"));
+    // Four repeats: the lower of the two middle ones.
+    let merged = merge_repeats((1..=4).map(|s| vec![config(&[s], 1, None)]).collect());
+    assert_eq!(merged[0].buckets[0].safe_concurrency, 2);
+}
