@@ -1,7 +1,9 @@
 //! SVG plots (plotters) of one configuration: output tokens/s and ITL/TTFT
 //! p95 against concurrency (or offered rate, for open-loop sweeps), one
-//! series per bucket, with the safe point and the knee marked. Made from the
-//! profile alone, like the reports.
+//! series per bucket, with the safe point and the knee marked; with repeats
+//! of the search, error bars from the lowest to the highest repeat at each
+//! probed level, and the safe point's range. Made from the profile alone,
+//! like the reports.
 
 use envelope_profile::{BucketResult, ConfigResult, ProbeSummary, Slo};
 use plotters::prelude::*;
@@ -33,6 +35,33 @@ fn safe_x(b: &BucketResult) -> f64 {
 
 type Metric = fn(&ProbeSummary) -> f64;
 
+/// With two or more repeats: at each level probed valid in at least two,
+/// (x, lowest, mean, highest) of `metric` over them.
+fn spread(b: &BucketResult, metric: Metric) -> Vec<(f64, f64, f64, f64)> {
+    if b.repeats.len() < 2 {
+        return vec![];
+    }
+    let mut by_x: std::collections::BTreeMap<u64, Vec<f64>> = Default::default();
+    for r in &b.repeats {
+        for p in r.probes.iter().filter(|p| p.valid) {
+            by_x.entry(x_of(p).to_bits()).or_default().push(metric(p));
+        }
+    }
+    by_x.into_iter()
+        .filter(|(_, v)| v.len() >= 2)
+        .map(|(x, v)| {
+            let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            (
+                f64::from_bits(x),
+                lo,
+                v.iter().sum::<f64>() / v.len() as f64,
+                hi,
+            )
+        })
+        .collect()
+}
+
 fn panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     c: &ConfigResult,
@@ -43,7 +72,15 @@ fn panel<DB: DrawingBackend>(
     slo: Option<f64>,
 ) -> Result<(), String> {
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
-    let probes = c.buckets.iter().flat_map(|b| b.probes.iter());
+    let repeats = c
+        .buckets
+        .iter()
+        .flat_map(|b| b.repeats.iter().flat_map(|r| r.probes.iter()));
+    let probes = c
+        .buckets
+        .iter()
+        .flat_map(|b| b.probes.iter())
+        .chain(repeats);
     let x_max = probes.clone().map(x_of).fold(1.0, f64::max) * 1.1;
     let y_max = probes.map(metric).fold(slo.unwrap_or(1e-9), f64::max) * 1.15;
     let mut chart = ChartBuilder::on(area)
@@ -101,6 +138,30 @@ fn panel<DB: DrawingBackend>(
                 Circle::new((x_of(p), metric(p)), 3, style)
             }))
             .map_err(err)?;
+        // Repeats: how far the figure moved from one search to the next.
+        chart
+            .draw_series(spread(b, metric).into_iter().map(|(x, lo, mean, hi)| {
+                ErrorBar::new_vertical(x, lo, mean, hi, color.stroke_width(1), 6)
+            }))
+            .map_err(err)?;
+        let safe_range = b.repeats.iter().map(|r| r.safe_concurrency as f64);
+        if let (Some(lo), Some(hi), true) = (
+            safe_range.clone().reduce(f64::min),
+            safe_range.reduce(f64::max),
+            b.repeats.len() > 1 && b.safe_rate_per_s.is_none(),
+        ) {
+            let y = y_max * (0.93 - 0.05 * i as f64);
+            chart
+                .draw_series(std::iter::once(ErrorBar::new_horizontal(
+                    y,
+                    lo,
+                    safe_x(b),
+                    hi,
+                    color.stroke_width(2),
+                    6,
+                )))
+                .map_err(err)?;
+        }
         // The safe point: a dashed vertical line in the bucket's colour.
         let sx = safe_x(b);
         if sx > 0.0 {
@@ -426,8 +487,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn plots_carry_every_bucket_the_safe_point_and_the_knee() {
+    /// Two buckets; with `repeats`, each has that many searches, the
+    /// figures 10% apart from one to the next.
+    fn config(repeats: u32) -> ConfigResult {
         let bucket = |i: u32| BucketResult {
             input_tokens: i,
             output_tokens: 16,
@@ -447,7 +509,7 @@ mod tests {
                 probe(8, 120.0, false),
             ],
         };
-        let c = ConfigResult {
+        let mut c = ConfigResult {
             name: "f32-f32-continuous".into(),
             precision: "f32".into(),
             kv_dtype: "f32".into(),
@@ -461,6 +523,28 @@ mod tests {
             time_to_ready_s: None,
             workload: None,
         };
+        for b in &mut c.buckets {
+            b.repeats = (0..repeats)
+                .map(|k| envelope_profile::BucketRepeat {
+                    feasible_concurrency: 4,
+                    safe_concurrency: 2 + k,
+                    probes: b
+                        .probes
+                        .iter()
+                        .map(|p| ProbeSummary {
+                            output_tok_per_s: p.output_tok_per_s * (1.0 + 0.1 * k as f64),
+                            ..p.clone()
+                        })
+                        .collect(),
+                })
+                .collect();
+        }
+        c
+    }
+
+    #[test]
+    fn plots_carry_every_bucket_the_safe_point_and_the_knee() {
+        let c = config(0);
         let slo = Slo {
             itl_p95_ms: Some(40.0),
             ..Slo::default()
@@ -480,5 +564,22 @@ mod tests {
         // Two knee triangles per panel (one per bucket), three panels.
         assert_eq!(svg.matches("<polygon").count(), 6);
         assert_eq!(file_name(&c), "plots/f32-f32-continuous.svg");
+    }
+
+    #[test]
+    fn repeats_draw_error_bars_and_the_safe_range() {
+        let slo = Slo {
+            itl_p95_ms: Some(40.0),
+            ..Slo::default()
+        };
+        let lines = |repeats: u32| {
+            let svg = config_svg(&config(repeats), &slo).unwrap();
+            svg.matches("<line").count() + svg.matches("<polyline").count()
+        };
+        // One repeat: nothing to spread. Three: a bar at each of the
+        // three valid levels (1, 2, 4) of each bucket in each of the
+        // three panels, and the safe point's range, each of three lines.
+        assert_eq!(lines(1), lines(0));
+        assert!(lines(3) > lines(0), "{} vs {}", lines(3), lines(0));
     }
 }
