@@ -61,7 +61,10 @@ fn bucket_of(c: &ConfigResult, key: (u32, u32)) -> Option<&BucketResult> {
 }
 
 /// Each repeat's figure for `metric` in a bucket: its safe concurrency,
-/// or its valid probe's figure at concurrency `at`. Empty without repeats.
+/// or its figure at concurrency `at`: from its valid probe there, else
+/// from its feasible probe (rates scaled by `at` / feasible, as a single
+/// search's safe point is), when `at` is within what it found feasible.
+/// Empty without repeats.
 fn repeat_values(b: &BucketResult, metric: &str, at: u32) -> Vec<f64> {
     b.repeats
         .iter()
@@ -69,12 +72,23 @@ fn repeat_values(b: &BucketResult, metric: &str, at: u32) -> Vec<f64> {
             if metric == "safe_concurrency" {
                 return Some(r.safe_concurrency as f64);
             }
-            let p = r
-                .probes
-                .iter()
-                .rev()
-                .find(|p| p.valid && p.concurrency == at)?;
-            probe_metric(p, metric)
+            let valid = |c: u32| {
+                r.probes
+                    .iter()
+                    .rev()
+                    .find(|p| p.valid && p.concurrency == c && p.breaches.is_empty())
+            };
+            if let Some(p) = valid(at) {
+                return probe_metric(p, metric);
+            }
+            let f = r.feasible_concurrency;
+            let p = valid(f).filter(|_| at > 0 && at <= f)?;
+            let v = probe_metric(p, metric)?;
+            Some(if metric.ends_with("_tok_s") {
+                v * at as f64 / f as f64
+            } else {
+                v
+            })
         })
         .collect()
 }

@@ -393,3 +393,40 @@ fn the_rules_file_sets_the_confidence_and_the_noise_floor() {
         assert!(e.to_string().contains(&format!("field `{field}`")), "{e}");
     }
 }
+
+#[test]
+fn a_repeat_without_a_probe_at_the_safe_point_scales_its_feasible_one() {
+    // The bisection probes 8, 16, 12, 14, 15 and settles on a safe point
+    // (after headroom) it never probed: each repeat's figure is its
+    // feasible probe's, scaled to the safe concurrency.
+    let feasible_only = |mut p: Profile, decode: f64| {
+        for b in &mut p.configs[0].buckets {
+            b.repeats = (0..3)
+                .map(|_| crate::BucketRepeat {
+                    feasible_concurrency: b.safe_concurrency + 1,
+                    safe_concurrency: b.safe_concurrency,
+                    probes: vec![probe(b.safe_concurrency + 1, decode)],
+                })
+                .collect();
+        }
+        p
+    };
+    let a = feasible_only(profile("f16", 4, 100.0, 0.0, 1.0), 100.0);
+    let b = feasible_only(profile("q8_0", 4, 100.0, 0.0, 1.0), 80.0);
+    let r = gate(&a, &b, &decode_rule());
+    assert_eq!(r.verdict, Verdict::Fail, "{:?}", r.rules);
+    let x = &r.rules[0];
+    assert_eq!((x.method, x.repeats), ("interval", Some((3, 3))));
+    assert!((x.ratio.unwrap() - 0.8 / 0.95).abs() < 1e-9, "{x:?}");
+    // Without the feasible probe either, no figure: the point rule.
+    let mut c = b.clone();
+    for bucket in &mut c.configs[0].buckets {
+        for rep in &mut bucket.repeats {
+            rep.probes.clear();
+        }
+    }
+    assert!(gate(&a, &c, &decode_rule())
+        .rules
+        .iter()
+        .all(|x| x.method == "point"));
+}
