@@ -61,10 +61,11 @@ fn bucket_of(c: &ConfigResult, key: (u32, u32)) -> Option<&BucketResult> {
 }
 
 /// Each repeat's figure for `metric` in a bucket: its safe concurrency,
-/// or its figure at concurrency `at`: from its valid probe there, else
-/// from its feasible probe (rates scaled by `at` / feasible, as a single
-/// search's safe point is), when `at` is within what it found feasible.
-/// Empty without repeats.
+/// or its figure at concurrency `at`, from its valid probes inside the
+/// SLOs: the one at `at`, else the line between the nearest below and
+/// above it, else (nothing above) the nearest below with rates scaled by
+/// `at` over its concurrency, as a single search's safe point is. Empty
+/// without repeats.
 fn repeat_values(b: &BucketResult, metric: &str, at: u32) -> Vec<f64> {
     b.repeats
         .iter()
@@ -72,23 +73,26 @@ fn repeat_values(b: &BucketResult, metric: &str, at: u32) -> Vec<f64> {
             if metric == "safe_concurrency" {
                 return Some(r.safe_concurrency as f64);
             }
-            let valid = |c: u32| {
-                r.probes
-                    .iter()
-                    .rev()
-                    .find(|p| p.valid && p.concurrency == c && p.breaches.is_empty())
-            };
-            if let Some(p) = valid(at) {
-                return probe_metric(p, metric);
+            let ok = r.probes.iter().filter(|p| p.valid && p.breaches.is_empty());
+            let below = ok
+                .clone()
+                .filter(|p| p.concurrency <= at)
+                .max_by_key(|p| p.concurrency)?;
+            let above = ok
+                .filter(|p| p.concurrency > at)
+                .min_by_key(|p| p.concurrency);
+            let v = probe_metric(below, metric)?;
+            if below.concurrency == at {
+                return Some(v);
             }
-            let f = r.feasible_concurrency;
-            let p = valid(f).filter(|_| at > 0 && at <= f)?;
-            let v = probe_metric(p, metric)?;
-            Some(if metric.ends_with("_tok_s") {
-                v * at as f64 / f as f64
-            } else {
-                v
-            })
+            let (c0, x) = (below.concurrency as f64, at as f64);
+            Some(
+                match above.and_then(|p| Some((p.concurrency as f64, probe_metric(p, metric)?))) {
+                    Some((c1, v1)) => v + (v1 - v) * (x - c0) / (c1 - c0),
+                    None if metric.ends_with("_tok_s") && c0 > 0.0 => v * x / c0,
+                    None => v,
+                },
+            )
         })
         .collect()
 }

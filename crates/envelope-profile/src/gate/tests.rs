@@ -395,38 +395,57 @@ fn the_rules_file_sets_the_confidence_and_the_noise_floor() {
 }
 
 #[test]
-fn a_repeat_without_a_probe_at_the_safe_point_scales_its_feasible_one() {
-    // The bisection probes 8, 16, 12, 14, 15 and settles on a safe point
-    // (after headroom) it never probed: each repeat's figure is its
-    // feasible probe's, scaled to the safe concurrency.
-    let feasible_only = |mut p: Profile, decode: f64| {
+fn a_repeat_without_a_probe_at_or_above_the_safe_point_scales_the_one_below() {
+    // A repeat that probed only below its safe point (safe 4, a probe at
+    // 2): its rates scaled by 4 / 2, as a single search's safe point is.
+    let below_only = |mut p: Profile, decode: f64, at: u32| {
         for b in &mut p.configs[0].buckets {
             b.repeats = (0..3)
                 .map(|_| crate::BucketRepeat {
-                    feasible_concurrency: b.safe_concurrency + 1,
-                    safe_concurrency: b.safe_concurrency,
-                    probes: vec![probe(b.safe_concurrency + 1, decode)],
+                    feasible_concurrency: 4,
+                    safe_concurrency: 4,
+                    probes: vec![probe(at, decode)],
                 })
                 .collect();
         }
         p
     };
-    let a = feasible_only(profile("f16", 4, 100.0, 0.0, 1.0), 100.0);
-    let b = feasible_only(profile("q8_0", 4, 100.0, 0.0, 1.0), 80.0);
+    let a = below_only(profile("f16", 4, 100.0, 0.0, 1.0), 100.0, 2);
+    let b = below_only(profile("q8_0", 4, 100.0, 0.0, 1.0), 80.0, 2);
     let r = gate(&a, &b, &decode_rule());
     assert_eq!(r.verdict, Verdict::Fail, "{:?}", r.rules);
     let x = &r.rules[0];
     assert_eq!((x.method, x.repeats), ("interval", Some((3, 3))));
     assert!((x.ratio.unwrap() - 0.8 / 0.95).abs() < 1e-9, "{x:?}");
-    // Without the feasible probe either, no figure: the point rule.
-    let mut c = b.clone();
-    for bucket in &mut c.configs[0].buckets {
-        for rep in &mut bucket.repeats {
-            rep.probes.clear();
-        }
-    }
+    // Probed only above the safe point: no figure, the point rule.
+    let c = below_only(profile("q8_0", 4, 100.0, 0.0, 1.0), 80.0, 6);
     assert!(gate(&a, &c, &decode_rule())
         .rules
         .iter()
         .all(|x| x.method == "point"));
+}
+
+#[test]
+fn a_repeat_figure_between_two_probes_is_on_the_line() {
+    // Probes at 2 (decode 80) and 6 (decode 120): at 4, 100.
+    let between = |mut p: Profile, scale: f64| {
+        for b in &mut p.configs[0].buckets {
+            b.safe_concurrency = 4;
+            b.repeats = (0..3)
+                .map(|_| crate::BucketRepeat {
+                    feasible_concurrency: 6,
+                    safe_concurrency: 4,
+                    probes: vec![probe(2, 80.0 * scale), probe(6, 120.0 * scale)],
+                })
+                .collect();
+        }
+        p
+    };
+    let a = between(profile("f16", 4, 100.0, 0.0, 1.0), 1.0);
+    let b = between(profile("q8_0", 4, 100.0, 0.0, 1.0), 0.9);
+    let r = gate(&a, &b, &decode_rule());
+    let x = &r.rules[0];
+    assert_eq!(x.method, "interval", "{x:?}");
+    // 90 against 100: the candidate at 0.9 / 0.95 of the threshold.
+    assert!((x.ratio.unwrap() - 0.9 / 0.95).abs() < 1e-9, "{x:?}");
 }
