@@ -15,4 +15,4 @@ pub mod workload;
 
 pub use quality::QualityReport;
 pub use schema::*;
-pub use search::{Bracket, Step};
+pub use search::{Bracket, LevelSearch, LevelStep, LevelVerdict, Step};

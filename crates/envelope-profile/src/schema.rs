@@ -43,6 +43,9 @@ pub enum Constraint {
     /// A governed target refused (429 with Retry-After) more than
     /// `slo.max_shed_rate` of the requests.
     Shed,
+    /// A latency SLO the probe's requests could not decide at
+    /// `slo.confidence` within `load.max_requests`: never passed.
+    Undecided,
 }
 
 impl Constraint {
@@ -59,6 +62,7 @@ impl Constraint {
             Constraint::SearchCap => "search_cap",
             Constraint::ClientLimited => "client_limited",
             Constraint::Shed => "shed",
+            Constraint::Undecided => "undecided",
         }
     }
 }
@@ -85,6 +89,15 @@ pub struct Slo {
     /// Fraction taken off the feasible maximum for the safe point.
     #[serde(default = "tenth")]
     pub headroom: f64,
+    /// The confidence a probe's latency verdicts are decided at (see
+    /// [`crate::confidence`]): a p95 SLO holds once the upper bound on the
+    /// share of requests over its limit is within 5% at this confidence.
+    #[serde(default = "default_confidence")]
+    pub confidence: f64,
+}
+
+fn default_confidence() -> f64 {
+    crate::confidence::DEFAULT_CONFIDENCE
 }
 
 fn one() -> f64 {
@@ -111,6 +124,7 @@ impl Default for Slo {
             max_kv_usage: 1.0,
             zero_preemptions: true,
             headroom: 0.1,
+            confidence: default_confidence(),
         }
     }
 }
@@ -157,6 +171,30 @@ pub struct ProbeSummary {
     /// `stream_cut`, `http_429`, ...).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub error_reasons: BTreeMap<String, u64>,
+    /// Each latency SLO's evidence and verdict at `slo.confidence`; empty
+    /// in profiles from before confidence (their verdicts were points).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slo_checks: Vec<SloCheck>,
+}
+
+/// What a probe's requests say of one latency SLO: of `samples` (requests,
+/// or token gaps for ITL), `over` exceeded `limit_ms`; the share over it
+/// lies in [`over_share_lower`, `over_share_upper`] at `slo.confidence`,
+/// and the SLO holds when the upper end is within `1 - percentile`, is
+/// breached when the lower end is past it, and is undecided between.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SloCheck {
+    /// `ttft_p95`, `itl_p95` or `e2e_p99`.
+    pub slo: Constraint,
+    pub limit_ms: f64,
+    /// 0.95 for a p95.
+    pub percentile: f64,
+    pub samples: u64,
+    pub over: u64,
+    pub over_share_lower: f64,
+    pub over_share_upper: f64,
+    pub decision: crate::confidence::Decision,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
@@ -186,6 +224,17 @@ pub struct BucketResult {
     pub feasible_rate_per_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub safe_rate_per_s: Option<f64>,
+    /// The interval the feasible maximum is known within at
+    /// `slo.confidence`: from the feasible level (which held at that
+    /// confidence) up to one below the lowest level whose breach was
+    /// decided. Closed loop: a concurrency; open loop: an arrival rate.
+    /// `None` when no level above was decided breached (the search cap, or
+    /// levels left undecided), and in profiles from before confidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feasible_upper: Option<f64>,
+    /// `feasible_upper` less the headroom: the safe point's upper end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safe_upper: Option<f64>,
     pub probes: Vec<ProbeSummary>,
     /// With `--repeats`: each repeat's search of this bucket, in run order
     /// (the gate compares these, not the single figures above).

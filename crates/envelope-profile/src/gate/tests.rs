@@ -50,6 +50,8 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
         at_feasible: Some(probe(safe + 1, decode * 1.1)),
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        feasible_upper: None,
+        safe_upper: None,
         repeats: vec![],
         probes: vec![probe(safe, decode), probe(safe + 1, decode * 1.1)],
     };

@@ -119,6 +119,8 @@ fn bucket(i: u32, o: u32, safe: u32, feasible: u32, probes: Vec<ProbeSummary>) -
         at_feasible: probes.iter().find(|p| p.concurrency == feasible).cloned(),
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        feasible_upper: None,
+        safe_upper: None,
         repeats: vec![],
         probes,
     }

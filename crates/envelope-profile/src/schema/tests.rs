@@ -48,6 +48,8 @@ fn bucket(input: u32, output: u32, safe: u32, probes: &[(u32, f64)]) -> BucketRe
         at_feasible: probes.last().cloned(),
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        feasible_upper: None,
+        safe_upper: None,
         repeats: vec![],
         probes,
     }
