@@ -147,6 +147,12 @@ pub struct LoadConfig {
     pub rounds: u32,
     #[serde(default = "eight")]
     pub min_requests: u32,
+    /// The most requests a level's probes may send to decide its latency
+    /// verdicts at `slo.confidence` (a probe at the bracket's ends is
+    /// extended until then); a level still undecided is never passed.
+    /// Default: four times the fewest that could decide them (45 requests
+    /// for a p95 at 90%, 230 for a p99), at least `min_requests`.
+    pub max_requests: Option<u32>,
     /// How many times the whole search runs (`envelope sweep --repeats`),
     /// every configuration once a repeat, in turn, so that drift hits
     /// all alike. Profiles keep each repeat's search per bucket.
@@ -266,6 +272,7 @@ impl Default for LoadConfig {
             mode: closed(),
             rounds: 2,
             min_requests: 8,
+            max_requests: None,
             repeats: 1,
             rate_step_per_s: 1.0,
             rate_min_per_s: 1.0,
@@ -644,6 +651,9 @@ impl BenchConfig {
         if raw.load.repeats == 0 {
             return Err(err("load.repeats must be at least 1".into()));
         }
+        if raw.load.max_requests == Some(0) {
+            return Err(err("load.max_requests must be at least 1".into()));
+        }
         if !(positive(l.max_client_gap_ms) && positive(l.late_after_ms)) {
             return Err(err(format!(
                 "load.max_client_gap_ms ({}) and load.late_after_ms ({}) must be positive",
@@ -696,6 +706,12 @@ impl BenchConfig {
             return Err(err(format!(
                 "slo.headroom must be in [0, 1), got {}",
                 s.headroom
+            )));
+        }
+        if !(0.5..1.0).contains(&s.confidence) {
+            return Err(err(format!(
+                "slo.confidence must be in [0.5, 1), got {}",
+                s.confidence
             )));
         }
         for (name, v) in [

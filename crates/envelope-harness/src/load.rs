@@ -44,6 +44,81 @@ pub struct ProbeRun {
 
 pub use envelope_engine::util::synthetic_prompt;
 
+impl ProbeRun {
+    /// This run followed by `more` at the same level (a probe extended
+    /// until its verdict is decided): `more`'s times are shifted to follow
+    /// on, counts add up, peaks take the higher, shares are weighted.
+    pub fn extended(mut self, more: ProbeRun) -> ProbeRun {
+        let offset = self.duration_s;
+        let (n0, n1) = (self.records.len() as f64, more.records.len() as f64);
+        let (d0, d1) = (self.duration_s, more.duration_s);
+        self.records.extend(more.records.into_iter().map(|mut r| {
+            r.start_s += offset;
+            r
+        }));
+        self.series.extend(more.series.into_iter().map(|mut p| {
+            p.t_s += offset;
+            p
+        }));
+        self.duration_s = d0 + d1;
+        self.kv_usage_max = max_opt(self.kv_usage_max, more.kv_usage_max);
+        self.preemptions = match (self.preemptions, more.preemptions) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+        self.peak_memory_bytes = max_opt(self.peak_memory_bytes, more.peak_memory_bytes);
+        self.max_in_flight = self.max_in_flight.max(more.max_in_flight);
+        self.max_client_gap_s = self.max_client_gap_s.max(more.max_client_gap_s);
+        self.late_fraction =
+            (self.late_fraction * n0 + more.late_fraction * n1) / (n0 + n1).max(1.0);
+        self.client_cpu_fraction = match (self.client_cpu_fraction, more.client_cpu_fraction) {
+            (Some(a), Some(b)) => Some((a * d0 + b * d1) / (d0 + d1).max(1e-9)),
+            (a, b) => a.or(b),
+        };
+        self
+    }
+}
+
+/// Ends a probe early: called with every record so far each time a
+/// request ends; once it says true, no new request is sent (those in
+/// flight finish). The sweep stops a probe whose verdict is decided.
+pub type StopWhen = Arc<dyn Fn(&[RequestRecord]) -> bool + Send + Sync>;
+
+/// The records of a probe as they end, and whether to send more.
+struct Collected {
+    records: Mutex<Vec<RequestRecord>>,
+    stopped: AtomicBool,
+    stop_when: Option<StopWhen>,
+}
+
+impl Collected {
+    fn new(stop_when: Option<StopWhen>) -> Arc<Collected> {
+        Arc::new(Collected {
+            records: Mutex::new(vec![]),
+            stopped: AtomicBool::new(false),
+            stop_when,
+        })
+    }
+
+    fn push(&self, rec: RequestRecord) {
+        let mut records = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        records.push(rec);
+        if let Some(f) = &self.stop_when {
+            if !self.stopped.load(Ordering::Relaxed) && f(&records) {
+                self.stopped.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn stopped(&self) -> bool {
+        self.stopped.load(Ordering::Relaxed)
+    }
+
+    fn take(&self) -> Vec<RequestRecord> {
+        std::mem::take(&mut *self.records.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
 /// One reading of the monitor's time series (`telemetry.csv`).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SeriesPoint {
@@ -229,7 +304,8 @@ fn client_cpu(driver: &dyn Driver) -> Option<f64> {
 const MAX_RETRY_AFTER_S: f64 = 10.0;
 
 /// `concurrency` workers send `total_requests` between them, all starting
-/// together; a worker refused with Retry-After waits that long first.
+/// together, or fewer once `stop_when` says so; a worker refused with
+/// Retry-After waits that long first.
 pub fn closed_loop(
     driver: &Arc<dyn Driver>,
     prompts: &Prompts,
@@ -237,7 +313,9 @@ pub fn closed_loop(
     concurrency: u32,
     total_requests: u32,
     salt: u64,
+    stop_when: Option<StopWhen>,
 ) -> ProbeRun {
+    let collected = Collected::new(stop_when);
     let issued = Arc::new(AtomicU64::new(0));
     let gap = Arc::new(Mutex::new(0f64));
     let in_flight = Arc::new(InFlight::default());
@@ -247,22 +325,25 @@ pub fn closed_loop(
     let monitor = Monitor::start(driver, &in_flight, start);
     let workers: Vec<_> = (0..concurrency)
         .map(|w| {
-            let (d, prompts, issued, gap, in_flight, barrier) = (
+            let (d, prompts, issued, gap, in_flight, barrier, collected) = (
                 driver.clone(),
                 prompts.clone(),
                 issued.clone(),
                 gap.clone(),
                 in_flight.clone(),
                 barrier.clone(),
+                collected.clone(),
             );
             std::thread::spawn(move || {
-                let mut out = vec![];
                 let mut last_end: Option<Instant> = None;
                 barrier.wait();
                 loop {
+                    if collected.stopped() {
+                        return;
+                    }
                     let n = issued.fetch_add(1, Ordering::Relaxed);
                     if n >= total_requests as u64 {
-                        return out;
+                        return;
                     }
                     let req = request(&*d, &prompts, bucket, n, salt);
                     if let Some(e) = last_end {
@@ -276,36 +357,52 @@ pub fn closed_loop(
                     if let Some(s) = rec.retry_after_s {
                         std::thread::sleep(Duration::from_secs_f64(s.min(MAX_RETRY_AFTER_S)));
                     }
-                    out.push(rec);
+                    collected.push(rec);
                     last_end = Some(Instant::now());
                 }
             })
         })
         .collect();
     barrier.wait();
-    let records = workers
-        .into_iter()
-        .flat_map(|w| w.join().unwrap_or_default())
-        .collect();
-    let mut run = finish(records, start, &in_flight, cpu_before);
+    for w in workers {
+        let _ = w.join();
+    }
+    let mut run = finish(collected.take(), start, &in_flight, cpu_before);
     run.max_client_gap_s = *gap.lock().unwrap_or_else(|e| e.into_inner());
     monitor.finish(&**driver, &mut run);
     run
 }
 
+/// The arrivals of an open-loop probe.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrivals {
+    pub rate_per_s: f64,
+    pub total_requests: u32,
+    /// An arrival sent over this long (or a fifth of the mean gap) behind
+    /// its schedule is late.
+    pub late_after_s: f64,
+    /// Seeds the gaps.
+    pub salt: u64,
+}
+
 /// Poisson arrivals at `rate_per_s` (exponential gaps from a seeded
-/// generator) until `total_requests` are sent; each request runs on its own
-/// thread, so a slow server does not slow the arrivals. An arrival sent over
-/// `late_after_s` (or a fifth of the mean gap) behind its schedule is late.
+/// generator) until `total_requests` are sent, or fewer once `stop_when`
+/// says so; each request runs on its own thread, so a slow server does not
+/// slow the arrivals.
 pub fn open_loop(
     driver: &Arc<dyn Driver>,
     prompts: &Prompts,
     bucket: Bucket,
-    rate_per_s: f64,
-    total_requests: u32,
-    late_after_s: f64,
-    salt: u64,
+    arrivals: Arrivals,
+    stop_when: Option<StopWhen>,
 ) -> ProbeRun {
+    let Arrivals {
+        rate_per_s,
+        total_requests,
+        late_after_s,
+        salt,
+    } = arrivals;
+    let collected = Collected::new(stop_when);
     let mut rng = rand::rngs::StdRng::seed_from_u64(salt);
     let in_flight = Arc::new(InFlight::default());
     let mean_gap_s = 1.0 / rate_per_s.max(1e-9);
@@ -313,8 +410,11 @@ pub fn open_loop(
     let cpu_before = client_cpu(&**driver);
     let start = Instant::now();
     let monitor = Monitor::start(driver, &in_flight, start);
-    let (mut due_s, mut late, mut threads) = (0f64, 0u32, vec![]);
+    let (mut due_s, mut late, mut threads, mut sent) = (0f64, 0u32, vec![], 0u32);
     for n in 0..total_requests {
+        if collected.stopped() {
+            break;
+        }
         // Inverse-CDF sample of an exponential gap; 1 - u is in (0, 1].
         let u: f64 = rng.random();
         due_s += -(1.0 - u).ln() * mean_gap_s;
@@ -325,14 +425,17 @@ pub fn open_loop(
             late += 1;
         }
         let req = request(&**driver, prompts, bucket, n as u64, salt);
-        let (d, in_flight) = (driver.clone(), in_flight.clone());
+        let (d, in_flight, collected) = (driver.clone(), in_flight.clone(), collected.clone());
         threads.push(std::thread::spawn(move || {
-            timed(&*d, &req, n, start, &in_flight)
+            collected.push(timed(&*d, &req, n, start, &in_flight))
         }));
+        sent += 1;
     }
-    let records = threads.into_iter().filter_map(|t| t.join().ok()).collect();
-    let mut run = finish(records, start, &in_flight, cpu_before);
-    run.late_fraction = late as f64 / total_requests.max(1) as f64;
+    for t in threads {
+        let _ = t.join();
+    }
+    let mut run = finish(collected.take(), start, &in_flight, cpu_before);
+    run.late_fraction = late as f64 / sent.max(1) as f64;
     run.offered_rate_per_s = Some(rate_per_s);
     monitor.finish(&**driver, &mut run);
     run
@@ -448,7 +551,7 @@ mod tests {
                 seen: Mutex::new(vec![]),
             });
             let d: Arc<dyn Driver> = r.clone();
-            let run = closed_loop(&d, &data, bucket, 2, 4, 0);
+            let run = closed_loop(&d, &data, bucket, 2, 4, 0, None);
             assert_eq!(run.records.len(), 4);
             let mut seen = r.seen.lock().unwrap().clone();
             seen.sort_by_key(|q| (q.prompt_tokens.clone(), q.prompt_text.clone()));
@@ -473,7 +576,7 @@ mod tests {
             seen: Mutex::new(vec![]),
         });
         let d: Arc<dyn Driver> = r.clone();
-        open_loop(&d, &Prompts::Synthetic, bucket, 200.0, 3, 0.010, 1);
+        open_loop(&d, &Prompts::Synthetic, bucket, arrivals(200.0, 3), None);
         let seen = r.seen.lock().unwrap();
         assert_eq!(seen.len(), 3);
         assert!(seen
@@ -486,5 +589,65 @@ mod tests {
         assert_eq!(fit_tokens(&[1, 2, 3], 7), vec![1, 2, 3, 1, 2, 3, 1]);
         assert_eq!(fit_tokens(&[1, 2, 3], 2), vec![1, 2]);
         assert!(fit_tokens(&[], 4).is_empty());
+    }
+
+    fn arrivals(rate_per_s: f64, total_requests: u32) -> Arrivals {
+        Arrivals {
+            rate_per_s,
+            total_requests,
+            late_after_s: 0.010,
+            salt: 1,
+        }
+    }
+
+    #[test]
+    fn a_probe_stops_sending_once_told_and_an_extension_follows_on() {
+        let bucket = Bucket {
+            input_tokens: 5,
+            output_tokens: 2,
+        };
+        let r = Arc::new(Recorder {
+            tokenizes: false,
+            seen: Mutex::new(vec![]),
+        });
+        let d: Arc<dyn Driver> = r.clone();
+        // Stop after 10 answers: two workers send at most one more each
+        // (the ones in flight), never the 100 asked.
+        let stop: StopWhen = Arc::new(|records: &[RequestRecord]| records.len() >= 10);
+        let run = closed_loop(
+            &d,
+            &Prompts::Synthetic,
+            bucket,
+            2,
+            100,
+            0,
+            Some(stop.clone()),
+        );
+        assert!(
+            (10..=11).contains(&run.records.len()),
+            "{}",
+            run.records.len()
+        );
+        let open = open_loop(
+            &d,
+            &Prompts::Synthetic,
+            bucket,
+            arrivals(1000.0, 100),
+            Some(stop),
+        );
+        assert!(open.records.len() < 100, "{}", open.records.len());
+        // Without a stop, every request asked for.
+        let whole = closed_loop(&d, &Prompts::Synthetic, bucket, 2, 30, 0, None);
+        assert_eq!(whole.records.len(), 30);
+        // An extension's requests follow on in time, counts add up.
+        let (d0, n0) = (run.duration_s, run.records.len());
+        let mut later = whole.clone();
+        later.preemptions = Some(2);
+        later.max_in_flight = 7;
+        let joined = run.extended(later);
+        assert_eq!(joined.records.len(), n0 + 30);
+        assert!((joined.duration_s - d0 - whole.duration_s).abs() < 1e-12);
+        assert!(joined.records[n0..].iter().all(|r| r.start_s >= d0));
+        assert_eq!((joined.preemptions, joined.max_in_flight), (Some(2), 7));
     }
 }

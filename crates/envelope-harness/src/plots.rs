@@ -484,6 +484,7 @@ mod tests {
             client_cpu_fraction: None,
             valid: true,
             error_reasons: Default::default(),
+            slo_checks: vec![],
         }
     }
 
@@ -501,6 +502,8 @@ mod tests {
             at_feasible: None,
             feasible_rate_per_s: None,
             safe_rate_per_s: None,
+            feasible_upper: None,
+            safe_upper: None,
             repeats: vec![],
             probes: vec![
                 probe(1, 100.0, true),

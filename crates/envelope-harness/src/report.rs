@@ -20,6 +20,18 @@ fn repeats_range(b: &envelope_profile::BucketResult) -> String {
     }
 }
 
+/// The interval the safe point is known within at `slo.confidence`, when
+/// a breach above it was decided and the interval is wider than the point.
+fn interval(b: &envelope_profile::BucketResult) -> String {
+    match (b.safe_upper, b.safe_rate_per_s) {
+        (Some(u), Some(r)) if u > r + 1e-9 => format!(" [{r:.2}-{u:.2} req/s]"),
+        (Some(u), None) if u as u32 > b.safe_concurrency => {
+            format!(" [{}-{}]", b.safe_concurrency, u as u32)
+        }
+        _ => String::new(),
+    }
+}
+
 fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
     c.buckets
         .iter()
@@ -32,7 +44,8 @@ fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
                 match b.safe_rate_per_s {
                     Some(r) => format!("{} ({r:.2} req/s)", b.safe_concurrency),
                     None => b.safe_concurrency.to_string(),
-                } + &repeats_range(b),
+                } + &interval(b)
+                    + &repeats_range(b),
                 b.binding_constraint.as_str().to_string(),
                 b.knee_concurrency.map_or("-".into(), |k| k.to_string()),
                 a.map_or("-".into(), |a| format!("{:.1}", a.output_tok_per_s)),

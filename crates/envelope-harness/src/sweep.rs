@@ -4,12 +4,13 @@
 
 use crate::agents;
 use crate::config::{AgentLoad, BenchConfig, MatrixPoint};
-use crate::load::{closed_loop, open_loop, ProbeRun};
+use crate::load::{closed_loop, open_loop, Arrivals, ProbeRun};
 use envelope_profile::{
-    Bracket, ConfigResult, Constraint, Limits, MemoryReport, ProbeSummary, Profile, Recovery, Step,
-    WorkloadProbe, WorkloadResult, PROFILE_SCHEMA,
+    Bracket, ConfigResult, Constraint, LevelSearch, LevelStep, LevelVerdict, Limits, MemoryReport,
+    ProbeSummary, Profile, Recovery, Step, WorkloadProbe, WorkloadResult, PROFILE_SCHEMA,
 };
 use serde::Serialize;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// One row of `requests.csv`.
@@ -78,6 +79,12 @@ pub struct ProbeRow {
     /// False when the load generator could not keep up.
     pub valid: bool,
     pub breaches: String,
+    /// A probe that extended an earlier one at the same level until its
+    /// verdict was decided: that probe's id. Its figures cover both
+    /// probes' requests; `requests.csv` lists each under its own id.
+    pub extends: Option<u32>,
+    /// The verdict at `slo.confidence`: `holds`, `breached` or `undecided`.
+    pub decision: String,
 }
 
 /// One row of `telemetry.csv`: the monitor's readings during a probe.
@@ -113,7 +120,20 @@ pub enum SweepEvent<'a> {
 mod session;
 mod summary;
 use session::{open, Session};
-pub use summary::{breaches, bucket_result, knee, kv_tokens_limit, merge_repeats, summarise};
+pub use summary::{
+    breaches, bucket_result, decision, knee, kv_tokens_limit, level_verdict, merge_repeats,
+    requests_to_decide, slo_checks, stop_when_decided, summarise,
+};
+
+/// The most requests a level's probes may send to decide its verdict:
+/// `load.max_requests`, or four times what the SLOs need at the least
+/// (see [`requests_to_decide`]), and never fewer than a screening probe.
+fn max_requests(cfg: &BenchConfig, bucket: crate::config::Bucket) -> u32 {
+    cfg.load
+        .max_requests
+        .unwrap_or(4 * requests_to_decide(&cfg.slo, bucket.output_tokens))
+        .max(cfg.load.min_requests)
+}
 
 /// Restarts of a launched server after crashes, per configuration.
 const MAX_RESTARTS: u32 = 3;
@@ -183,53 +203,105 @@ fn run_point(
     };
     'buckets: for bucket in &cfg.buckets {
         let bname = format!("{}x{}", bucket.input_tokens, bucket.output_tokens);
-        let mut bracket = Bracket::new(lo, hi.max(lo));
+        let mut search = LevelSearch::new(lo, hi.max(lo));
+        // Per level searched: its summary (in the order first probed), and
+        // its probe id and requests, which a decision extends.
         let mut probes: Vec<(u32, ProbeSummary)> = vec![];
-        while let Step::Probe(k) = bracket.next() {
+        let mut runs: HashMap<u32, (u32, ProbeRun)> = HashMap::new();
+        let budget = max_requests(cfg, *bucket);
+        loop {
+            let (k, extending) = match search.next() {
+                LevelStep::Screen(k) => (k, false),
+                LevelStep::Decide(k) => (k, true),
+                LevelStep::Done => break,
+            };
             let rate = k as f64 * cfg.load.rate_step_per_s;
-            let what = if open_loop_mode {
-                format!("{name} {bname}: probing {rate:.2} req/s")
+            let level = if open_loop_mode {
+                format!("{rate:.2} req/s")
             } else {
-                format!("{name} {bname}: probing concurrency {k}")
+                format!("concurrency {k}")
+            };
+            let before = if extending { runs.remove(&k) } else { None };
+            let done = before.as_ref().map_or(0, |(_, r)| r.records.len() as u32);
+            let total = if extending {
+                budget.saturating_sub(done)
+            } else if open_loop_mode {
+                ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests)
+            } else {
+                (k * cfg.load.rounds).max(cfg.load.min_requests)
+            };
+            let what = if extending {
+                format!("{name} {bname}: deciding {level} (up to {total} more requests)")
+            } else {
+                format!("{name} {bname}: probing {level}")
             };
             progress(SweepEvent::Probing(&what));
             let salt = ctx.probes_total as u64 * 1000;
-            let run = if open_loop_mode {
-                let total =
-                    ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests);
-                open_loop(
-                    &session.driver,
-                    &cfg.prompts,
-                    *bucket,
-                    rate,
-                    total,
-                    cfg.load.late_after_ms / 1e3,
+            let prior = before
+                .as_ref()
+                .map(|(_, r)| r.records.clone())
+                .unwrap_or_default();
+            let at_least = if extending { 0 } else { total as usize };
+            let stop = Some(stop_when_decided(&cfg.slo, prior, at_least));
+            let run = if total == 0 {
+                ProbeRun::default()
+            } else if open_loop_mode {
+                let arrivals = Arrivals {
+                    rate_per_s: rate,
+                    total_requests: total,
+                    late_after_s: cfg.load.late_after_ms / 1e3,
                     salt,
-                )
+                };
+                open_loop(&session.driver, &cfg.prompts, *bucket, arrivals, stop)
             } else {
-                let total = (k * cfg.load.rounds).max(cfg.load.min_requests);
-                closed_loop(&session.driver, &cfg.prompts, *bucket, k, total, salt)
+                closed_loop(&session.driver, &cfg.prompts, *bucket, k, total, salt, stop)
             };
             let probe_id = ctx.probes_total;
             ctx.probes_total += 1;
-            let shown = if open_loop_mode { run.max_in_flight } else { k };
-            let mut s = summarise(&run, shown, &cfg.slo, &cfg.load);
+            let requests_of_this_probe = run.clone();
+            let extends = before.as_ref().map(|(id, _)| *id);
+            let whole = match before {
+                Some((_, r)) => r.extended(run),
+                None => run,
+            };
+            let shown = if open_loop_mode {
+                whole.max_in_flight
+            } else {
+                k
+            };
+            let mut s = summarise(&whole, shown, &cfg.slo, &cfg.load);
             let died = session.died();
             if let Some(c) = died {
                 s.breaches.insert(0, c);
             }
-            bracket.record(k, s.breaches.is_empty());
-            push_rows(ctx, &name, &bname, probe_id, k, &run, &s);
+            let verdict = level_verdict(&s, extending);
+            if verdict == LevelVerdict::Undecided {
+                s.breaches.insert(0, Constraint::Undecided);
+            }
+            search.record(k, verdict);
+            push_rows(
+                ctx,
+                &name,
+                &bname,
+                (probe_id, extends),
+                k,
+                &requests_of_this_probe,
+                &s,
+            );
             progress(SweepEvent::Probed(ctx.probes.last().expect("just pushed")));
             result.memory.peak_bytes = result.memory.peak_bytes.max(s.peak_memory_bytes);
             // Every request of the configuration's first probe failed with the
             // server alive: a setup error (wrong model name, bad URL), not a
             // load limit.
             let all_failed = s.requests > 0 && s.errors == s.requests;
-            let first_error = run.records.iter().find_map(|r| r.error.clone());
+            let first_error = whole.records.iter().find_map(|r| r.error.clone());
             let setup_error =
                 result.buckets.is_empty() && probes.is_empty() && all_failed && died.is_none();
-            probes.push((k, s));
+            match probes.iter_mut().find(|(l, _)| *l == k) {
+                Some(p) => p.1 = s,
+                None => probes.push((k, s)),
+            }
+            runs.insert(k, (extends.unwrap_or(probe_id), whole));
             if setup_error {
                 result.error = Some(format!(
                     "every request of the first probe failed: {}",
@@ -239,7 +311,7 @@ fn run_point(
                     &cfg.load,
                     cfg.slo.headroom,
                     *bucket,
-                    &bracket,
+                    &search,
                     probes,
                 ));
                 break 'buckets;
@@ -261,7 +333,7 @@ fn run_point(
                             &cfg.load,
                             cfg.slo.headroom,
                             *bucket,
-                            &bracket,
+                            &search,
                             probes,
                         ));
                         return result;
@@ -273,7 +345,7 @@ fn run_point(
             &cfg.load,
             cfg.slo.headroom,
             *bucket,
-            &bracket,
+            &search,
             probes,
         ));
         if result.error.is_some() {
@@ -322,7 +394,7 @@ fn search_workload(
         }
         let probe_id = ctx.probes_total;
         ctx.probes_total += 1;
-        push_rows(ctx, name, &label, probe_id, k, &run, &s);
+        push_rows(ctx, name, &label, (probe_id, None), k, &run, &s);
         progress(SweepEvent::Probed(ctx.probes.last().expect("just pushed")));
         let classes = agents::class_summaries(a, &run);
         WorkloadProbe {
@@ -430,7 +502,7 @@ fn push_rows(
     ctx: &mut Ctx,
     name: &str,
     bname: &str,
-    probe_id: u32,
+    (probe_id, extends): (u32, Option<u32>),
     ladder: u32,
     run: &ProbeRun,
     s: &ProbeSummary,
@@ -502,6 +574,13 @@ fn push_rows(
             .map(|b| b.as_str())
             .collect::<Vec<_>>()
             .join("+"),
+        extends,
+        decision: match summary::decision(s) {
+            envelope_profile::confidence::Decision::Holds => "holds",
+            envelope_profile::confidence::Decision::Breached => "breached",
+            envelope_profile::confidence::Decision::Undecided => "undecided",
+        }
+        .to_string(),
     });
 }
 

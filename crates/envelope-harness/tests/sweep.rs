@@ -166,6 +166,7 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
         safe,
         safe * 6,
         77,
+        None,
     );
     let s = summarise(&run, safe, &cfg.slo, &cfg.load);
     assert_eq!(s.preemptions, Some(0));

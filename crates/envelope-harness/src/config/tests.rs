@@ -134,6 +134,22 @@ fn errors_name_the_file_and_the_field() {
             OK.replace("[slo]", "[load]\nmax_client_gap_ms = 0\n[slo]"),
             "load.max_client_gap_ms",
         ),
+        (
+            OK.replace("[slo]", "[load]\nrepeats = 0\n[slo]"),
+            "load.repeats",
+        ),
+        (
+            OK.replace("[slo]", "[load]\nmax_requests = 0\n[slo]"),
+            "load.max_requests",
+        ),
+        (
+            OK.replace("headroom = 0.25", "confidence = 1.0"),
+            "slo.confidence",
+        ),
+        (
+            OK.replace("headroom = 0.25", "confidence = 0.3"),
+            "slo.confidence",
+        ),
     ];
     for (text, field) in cases {
         let e = BenchConfig::parse(&text, Path::new("bench-configs/x.toml"))

@@ -5,12 +5,147 @@
 
 use crate::config::{Bucket, LoadConfig};
 use crate::load::ProbeRun;
+use crate::load::StopWhen;
 use crate::record::RequestRecord;
 use envelope_profile::capacity::with_headroom;
+use envelope_profile::confidence::{self, Decision};
 use envelope_profile::Percentiles;
 use envelope_profile::{
-    Bracket, BucketRepeat, BucketResult, ConfigResult, Constraint, ProbeSummary, Slo,
+    BucketRepeat, BucketResult, ConfigResult, Constraint, LevelSearch, LevelVerdict, ProbeSummary,
+    Slo, SloCheck,
 };
+use std::sync::Arc;
+
+/// Each latency SLO's evidence in the `records` that did not fail: TTFT and
+/// end-to-end latency per request, ITL per token gap.
+pub fn slo_checks<'a, I>(records: I, slo: &Slo) -> Vec<SloCheck>
+where
+    I: Iterator<Item = &'a RequestRecord> + Clone,
+{
+    let ok = records.filter(|r| r.error.is_none() && r.retry_after_s.is_none());
+    let ms = |v: f64| v * 1e3;
+    let check = |slo_c, limit_ms: f64, percentile, (samples, over): (u64, u64)| {
+        let c = slo.confidence;
+        SloCheck {
+            slo: slo_c,
+            limit_ms,
+            percentile,
+            samples,
+            over,
+            over_share_lower: confidence::rate_lower_bound(over, samples, c),
+            over_share_upper: confidence::rate_upper_bound(over, samples, c),
+            decision: confidence::percentile_holds(over, samples, percentile, c),
+        }
+    };
+    let count = |xs: &mut dyn Iterator<Item = f64>, limit: f64| {
+        xs.fold((0u64, 0u64), |(n, o), x| (n + 1, o + u64::from(x > limit)))
+    };
+    let mut out = vec![];
+    if let Some(t) = slo.ttft_p95_ms {
+        let mut xs = ok.clone().filter_map(|r| r.ttft_s.map(ms));
+        out.push(check(Constraint::TtftP95, t, 0.95, count(&mut xs, t)));
+    }
+    if let Some(t) = slo.itl_p95_ms {
+        let mut xs = ok.clone().flat_map(|r| r.itl_s.iter().map(|v| ms(*v)));
+        out.push(check(Constraint::ItlP95, t, 0.95, count(&mut xs, t)));
+    }
+    if let Some(t) = slo.e2e_p99_ms {
+        let mut xs = ok.clone().map(|r| ms(r.e2e_s));
+        out.push(check(Constraint::E2eP99, t, 0.99, count(&mut xs, t)));
+    }
+    out
+}
+
+/// Whether a constraint is a latency percentile (decided from a sample)
+/// rather than a limit crossed outright (the KV cache, errors, a crash).
+fn is_percentile(c: Constraint) -> bool {
+    matches!(
+        c,
+        Constraint::TtftP95 | Constraint::ItlP95 | Constraint::E2eP99 | Constraint::Undecided
+    )
+}
+
+/// A probe's verdict at `slo.confidence`: breached when a limit that is
+/// not a percentile was crossed or a latency SLO was decided breached;
+/// holds when every latency SLO held; else undecided. A summary without
+/// checks (before confidence) holds when it breached nothing.
+pub fn decision(s: &ProbeSummary) -> Decision {
+    if s.slo_checks.is_empty() {
+        return if s.breaches.is_empty() {
+            Decision::Holds
+        } else {
+            Decision::Breached
+        };
+    }
+    if s.breaches.iter().any(|c| !is_percentile(*c))
+        || s.slo_checks
+            .iter()
+            .any(|c| c.decision == Decision::Breached)
+    {
+        Decision::Breached
+    } else if s.slo_checks.iter().all(|c| c.decision == Decision::Holds) {
+        Decision::Holds
+    } else {
+        Decision::Undecided
+    }
+}
+
+/// What the level search takes from a probe: its decision, or while it
+/// is undecided, what its figures show (`LooksOk`, `LooksBad`) when it
+/// was only screened, and `Undecided` once it was extended to its budget.
+pub fn level_verdict(s: &ProbeSummary, extended: bool) -> LevelVerdict {
+    match decision(s) {
+        Decision::Holds => LevelVerdict::Holds,
+        Decision::Breached => LevelVerdict::Breached,
+        Decision::Undecided if extended => LevelVerdict::Undecided,
+        Decision::Undecided if s.breaches.is_empty() => LevelVerdict::LooksOk,
+        Decision::Undecided => LevelVerdict::LooksBad,
+    }
+}
+
+/// The fewest requests of `output_tokens` each that can show every latency
+/// SLO holds at `slo.confidence` (none over the limit): 45 for a p95 at
+/// 90%, 230 for a p99 (see [`confidence::min_requests`]); ITL counts
+/// token gaps. 0 with no latency SLO.
+pub fn requests_to_decide(slo: &Slo, output_tokens: u32) -> u32 {
+    let c = slo.confidence;
+    let per_request = [(slo.ttft_p95_ms, 0.95), (slo.e2e_p99_ms, 0.99)]
+        .into_iter()
+        .filter(|(t, _)| t.is_some())
+        .map(|(_, p)| confidence::min_requests(p, c))
+        .max()
+        .unwrap_or(0);
+    let gaps = u64::from(output_tokens.saturating_sub(1).max(1));
+    let per_gap = slo
+        .itl_p95_ms
+        .map_or(0, |_| confidence::min_requests(0.95, c).div_ceil(gaps));
+    per_request.max(per_gap) as u32
+}
+
+/// Stops a probe once its verdict is decided: a latency SLO breached, or
+/// (with no failure allowed) a request failed, at any time; every latency
+/// SLO held, once the level has `at_least` requests (a screening probe
+/// sends its whole count: the KV cache and preemptions are only seen under
+/// the whole load). `before` are the level's earlier requests, when the
+/// probe extends them. Never with no latency SLO and failures allowed.
+pub fn stop_when_decided(slo: &Slo, before: Vec<RequestRecord>, at_least: usize) -> StopWhen {
+    let slo = slo.clone();
+    Arc::new(move |records: &[RequestRecord]| {
+        let all = before.iter().chain(records);
+        if slo.max_error_rate == 0.0
+            && all
+                .clone()
+                .any(|r| r.error.is_some() && r.retry_after_s.is_none())
+        {
+            return true;
+        }
+        let checks = slo_checks(all, &slo);
+        let enough = before.len() + records.len() >= at_least;
+        !checks.is_empty()
+            && (checks.iter().any(|c| c.decision == Decision::Breached)
+                || (enough && checks.iter().all(|c| c.decision == Decision::Holds)))
+    })
+}
 
 /// Summarises a probe and checks it against the SLOs (and, for its
 /// validity, against `load`'s client tolerances).
@@ -76,12 +211,17 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
             && run.late_fraction <= load.max_late_fraction
             && run.client_cpu_fraction.is_none_or(|f| f <= 0.9),
         error_reasons: crate::truth::reasons(&run.records),
+        slo_checks: slo_checks(run.records.iter(), slo),
     };
     s.breaches = breaches(&s, slo);
     s
 }
 
-/// The SLOs a probe breached, the KV cache first (it is what runs out).
+/// The SLOs a probe breached, the KV cache first (it is what runs out). A
+/// latency SLO is breached when its check decided so, or, undecided, when
+/// more than its share of the sample was over the limit (the point
+/// estimate the search screens with). A summary without checks compares
+/// its percentiles with the limits.
 pub fn breaches(s: &ProbeSummary, slo: &Slo) -> Vec<Constraint> {
     let mut b = vec![];
     let preempted = s.preemptions.unwrap_or(0) > 0;
@@ -101,14 +241,27 @@ pub fn breaches(s: &ProbeSummary, slo: &Slo) -> Vec<Constraint> {
     if s.requests > 0 && s.refused as f64 / s.requests as f64 > slo.max_shed_rate {
         b.push(Constraint::Shed);
     }
-    if slo.ttft_p95_ms.is_some_and(|t| s.ttft_ms.p95 > t) {
-        b.push(Constraint::TtftP95);
+    if s.slo_checks.is_empty() {
+        if slo.ttft_p95_ms.is_some_and(|t| s.ttft_ms.p95 > t) {
+            b.push(Constraint::TtftP95);
+        }
+        if slo.itl_p95_ms.is_some_and(|t| s.itl_ms.p95 > t) {
+            b.push(Constraint::ItlP95);
+        }
+        if slo.e2e_p99_ms.is_some_and(|t| s.e2e_ms.p99 > t) {
+            b.push(Constraint::E2eP99);
+        }
     }
-    if slo.itl_p95_ms.is_some_and(|t| s.itl_ms.p95 > t) {
-        b.push(Constraint::ItlP95);
-    }
-    if slo.e2e_p99_ms.is_some_and(|t| s.e2e_ms.p99 > t) {
-        b.push(Constraint::E2eP99);
+    for c in &s.slo_checks {
+        let over_share = c.over as f64 / c.samples.max(1) as f64;
+        let breached = match c.decision {
+            Decision::Breached => true,
+            Decision::Holds => false,
+            Decision::Undecided => over_share > 1.0 - c.percentile + 1e-12,
+        };
+        if breached {
+            b.push(c.slo);
+        }
     }
     if !s.valid {
         b.push(Constraint::ClientLimited);
@@ -131,12 +284,14 @@ pub fn knee(probes: &[ProbeSummary]) -> Option<u32> {
 /// A bucket's result from its search: the feasible level (closed loop: the
 /// concurrency; open loop: the most requests in flight at the feasible
 /// rate), the safe one after `headroom`, the binding constraint (the first
-/// breach of the smallest infeasible level, or the search cap), the knee.
+/// breach of the smallest infeasible level, or the search cap), the knee,
+/// and the interval the feasible level is known within (up to one below
+/// the lowest level decided breached).
 pub fn bucket_result(
     load: &LoadConfig,
     headroom: f64,
     bucket: Bucket,
-    bracket: &Bracket,
+    search: &LevelSearch,
     probes: Vec<(u32, ProbeSummary)>,
 ) -> BucketResult {
     let open_loop_mode = load.is_open_loop();
@@ -146,8 +301,8 @@ pub fn bucket_result(
             .find(|(l, p)| *l == k && p.breaches.is_empty())
             .map(|(_, p)| p.clone())
     };
-    let at_feasible = bracket.feasible.and_then(at);
-    let binding = match bracket.infeasible {
+    let at_feasible = search.feasible().and_then(at);
+    let binding = match search.infeasible() {
         Some(i) => probes
             .iter()
             .find(|(l, _)| *l == i)
@@ -160,11 +315,15 @@ pub fn bucket_result(
     let feasible = if open_loop_mode {
         at_feasible.as_ref().map_or(0, |p| p.concurrency)
     } else {
-        bracket.feasible.unwrap_or(0)
+        search.feasible().unwrap_or(0)
     };
+    let rate = |k: u32| k as f64 * load.rate_step_per_s;
     let feasible_rate = open_loop_mode
-        .then(|| bracket.feasible.map(|k| k as f64 * load.rate_step_per_s))
+        .then(|| search.feasible().map(rate))
         .flatten();
+    let feasible_upper = search
+        .upper()
+        .map(|u| if open_loop_mode { rate(u) } else { u as f64 });
     let summaries: Vec<ProbeSummary> = probes.into_iter().map(|(_, p)| p).collect();
     BucketResult {
         input_tokens: bucket.input_tokens,
@@ -173,7 +332,7 @@ pub fn bucket_result(
         infeasible_concurrency: if open_loop_mode {
             None
         } else {
-            bracket.infeasible
+            search.infeasible()
         },
         safe_concurrency: with_headroom(feasible, headroom),
         binding_constraint: binding,
@@ -185,6 +344,14 @@ pub fn bucket_result(
         at_feasible,
         feasible_rate_per_s: feasible_rate,
         safe_rate_per_s: feasible_rate.map(|r| r * (1.0 - headroom)),
+        feasible_upper,
+        safe_upper: feasible_upper.map(|u| {
+            if open_loop_mode {
+                u * (1.0 - headroom)
+            } else {
+                with_headroom(u as u32, headroom) as f64
+            }
+        }),
         repeats: vec![],
         probes: summaries,
     }

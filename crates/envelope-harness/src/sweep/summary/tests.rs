@@ -147,29 +147,26 @@ fn a_bucket_binds_on_the_first_breach_above_its_feasible_level() {
     let mut over = probe(8, 300.0);
     over.breaches = vec![Constraint::ItlP95, Constraint::Errors];
     let probes = vec![(4, probe(4, 250.0)), (8, over)];
-    let bracket = Bracket {
-        min: 1,
-        max: 64,
-        feasible: Some(4),
-        infeasible: Some(8),
-        probes: 2,
-    };
+    let mut search = LevelSearch::new(1, 64);
+    search.record(4, LevelVerdict::Holds);
+    search.record(8, LevelVerdict::Breached);
     let load = LoadConfig::default();
-    let b = bucket_result(&load, 0.25, bucket, &bracket, probes.clone());
+    let b = bucket_result(&load, 0.25, bucket, &search, probes.clone());
     assert_eq!(b.feasible_concurrency, 4);
     assert_eq!(b.safe_concurrency, 3);
     assert_eq!(b.binding_constraint, Constraint::ItlP95);
     assert_eq!(b.at_feasible.as_ref().map(|p| p.concurrency), Some(4));
     assert_eq!(b.probes.len(), 2);
-    // Never breached up to the search's maximum: the cap binds.
-    let capped = Bracket {
-        feasible: Some(64),
-        infeasible: None,
-        ..bracket
-    };
+    // Decided breached just above: the feasible level is exact.
+    assert_eq!((b.feasible_upper, b.safe_upper), (Some(7.0), Some(5.0)));
+    // Never breached up to the search's maximum: the cap binds, and no
+    // level above bounds the interval.
+    let mut capped = LevelSearch::new(1, 64);
+    capped.record(64, LevelVerdict::Holds);
     let b = bucket_result(&load, 0.25, bucket, &capped, vec![(64, probe(64, 900.0))]);
     assert_eq!(b.binding_constraint, Constraint::SearchCap);
     assert_eq!(b.safe_concurrency, 48);
+    assert_eq!(b.feasible_upper, None);
 }
 
 #[test]
@@ -240,6 +237,8 @@ fn no_safe_point_says_why_per_configuration() {
         at_feasible: None,
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        feasible_upper: None,
+        safe_upper: None,
         repeats: vec![],
         probes: vec![probe(1)],
     };
@@ -279,6 +278,8 @@ fn bucket(input_tokens: u32, output_tokens: u32, safe: u32) -> BucketResult {
         at_feasible: None,
         feasible_rate_per_s: None,
         safe_rate_per_s: None,
+        feasible_upper: None,
+        safe_upper: None,
         probes: vec![],
         repeats: vec![],
     }
@@ -340,4 +341,155 @@ fn repeats_keep_every_search_and_the_lower_median_safe_point() {
     // Four repeats: the lower of the two middle ones.
     let merged = merge_repeats((1..=4).map(|s| vec![config(&[s], 1, None)]).collect());
     assert_eq!(merged[0].buckets[0].safe_concurrency, 2);
+}
+
+#[test]
+fn each_latency_slo_is_checked_on_its_own_samples() {
+    // 50 answers of 33 tokens; 2 start over the TTFT limit; every token
+    // gap is within the ITL limit; 1 takes over the end-to-end limit.
+    let mut records = vec![rec(0.1, 0.02, 33); 47];
+    records.push(rec(0.9, 0.02, 33));
+    records.push(rec(0.9, 0.02, 33));
+    records.push(rec(0.1, 0.2, 33)); // 6.5 s end to end; gaps of 200 ms
+    let s = summarise(&run(records, 10.0), 4, &slo(), &LoadConfig::default());
+    let by = |c: Constraint| s.slo_checks.iter().find(|x| x.slo == c).unwrap();
+    let ttft = by(Constraint::TtftP95);
+    assert_eq!((ttft.samples, ttft.over), (50, 2));
+    // Clopper-Pearson at 90% one-sided (the binomial sums solved by
+    // bisection, by hand): the share over is in [0.0107, 0.1030]; 5% lies
+    // inside, so the p95 is undecided.
+    assert!((ttft.over_share_upper - 0.1030).abs() < 1e-3, "{ttft:?}");
+    assert!((ttft.over_share_lower - 0.0107).abs() < 1e-3, "{ttft:?}");
+    assert_eq!(ttft.decision, Decision::Undecided);
+    let itl = by(Constraint::ItlP95);
+    assert_eq!((itl.samples, itl.over), (50 * 32, 32));
+    assert_eq!(itl.decision, Decision::Holds);
+    let e2e = by(Constraint::E2eP99);
+    assert_eq!((e2e.samples, e2e.over, e2e.percentile), (50, 1, 0.99));
+    assert_eq!(e2e.decision, Decision::Undecided);
+    // 2 of 50 is under 5% over the TTFT limit, but 1 of 50 is over the
+    // p99's 1%: the screen looks breached on e2e alone, and a probe
+    // extended to its budget in this state is undecided.
+    assert_eq!(s.breaches, vec![Constraint::E2eP99]);
+    assert_eq!(decision(&s), Decision::Undecided);
+    assert_eq!(level_verdict(&s, false), LevelVerdict::LooksBad);
+    assert_eq!(level_verdict(&s, true), LevelVerdict::Undecided);
+    let p95s_only = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    let s2 = summarise(
+        &run(s_records_with_two_slow(), 10.0),
+        4,
+        &p95s_only,
+        &LoadConfig::default(),
+    );
+    assert!(s2.breaches.is_empty(), "{:?}", s2.breaches);
+    assert_eq!(level_verdict(&s2, false), LevelVerdict::LooksOk);
+    // Without the SLOs it cannot decide, the probe holds.
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ttft_p95_ms: Some(1000.0),
+        ..slo()
+    };
+    let s = summarise(&run(s_records(), 10.0), 4, &p95s, &LoadConfig::default());
+    assert_eq!(decision(&s), Decision::Holds);
+    assert_eq!(level_verdict(&s, false), LevelVerdict::Holds);
+}
+
+fn s_records() -> Vec<RequestRecord> {
+    vec![rec(0.1, 0.02, 33); 45]
+}
+
+fn s_records_with_two_slow() -> Vec<RequestRecord> {
+    let mut r = vec![rec(0.1, 0.02, 33); 48];
+    r.extend([rec(0.9, 0.02, 33), rec(0.9, 0.02, 33)]);
+    r
+}
+
+#[test]
+fn a_breach_is_decided_as_soon_as_the_sample_shows_it() {
+    // 3 of 4 over the TTFT limit: the lower bound on the share over it is
+    // already past 5%.
+    let mut records = vec![rec(0.9, 0.02, 33); 3];
+    records.push(rec(0.1, 0.02, 33));
+    let s = summarise(
+        &run(records.clone(), 1.0),
+        4,
+        &slo(),
+        &LoadConfig::default(),
+    );
+    assert_eq!(s.breaches, vec![Constraint::TtftP95]);
+    assert_eq!(decision(&s), Decision::Breached);
+    assert_eq!(level_verdict(&s, false), LevelVerdict::Breached);
+    let stop = stop_when_decided(&slo(), vec![], 0);
+    assert!(stop(&records));
+    // One fast answer decides nothing.
+    assert!(!stop(&records[3..]));
+    // A limit that is not a percentile is decided outright.
+    let mut kv = summarise(
+        &run(vec![rec(0.1, 0.02, 33)], 1.0),
+        1,
+        &slo(),
+        &LoadConfig::default(),
+    );
+    kv.breaches.insert(0, Constraint::KvCache);
+    assert_eq!(decision(&kv), Decision::Breached);
+}
+
+#[test]
+fn a_probe_stops_once_every_slo_holds_counting_the_requests_it_extends() {
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    let fast = vec![rec(0.1, 0.02, 33); 60];
+    let stop = stop_when_decided(&p95s, vec![], 0);
+    assert!(!stop(&fast[..44]));
+    assert!(stop(&fast[..45]));
+    // A screening probe of 60 sends them all: the KV cache is only seen
+    // under the whole load.
+    let screen = stop_when_decided(&p95s, vec![], 60);
+    assert!(!screen(&fast[..59]));
+    assert!(screen(&fast));
+    // Extending a level's 40 earlier requests: 5 more decide it.
+    let stop = stop_when_decided(&p95s, fast[..40].to_vec(), 0);
+    assert!(!stop(&fast[..4]));
+    assert!(stop(&fast[..5]));
+    // With no failure allowed, one failure decides.
+    let failed = RequestRecord {
+        error: Some("stream_cut: x".into()),
+        ..rec(0.1, 0.02, 3)
+    };
+    assert!(stop(&[failed]));
+    // No latency SLO: nothing to decide early.
+    let none = Slo {
+        max_error_rate: 0.5,
+        ..Slo::default()
+    };
+    assert!(!stop_when_decided(&none, vec![], 0)(&fast));
+}
+
+#[test]
+fn the_requests_a_verdict_needs_follow_the_percentile_and_confidence() {
+    let c90 = slo();
+    assert_eq!(requests_to_decide(&c90, 32), 230); // the p99
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    assert_eq!(requests_to_decide(&p95s, 32), 45);
+    let itl_only = Slo {
+        ttft_p95_ms: None,
+        ..p95s.clone()
+    };
+    // 45 token gaps: two answers of 32 tokens (31 gaps each).
+    assert_eq!(requests_to_decide(&itl_only, 32), 2);
+    let c99 = Slo {
+        confidence: 0.99,
+        ..p95s
+    };
+    // ln(0.01) / ln(0.95) = 89.8.
+    assert_eq!(requests_to_decide(&c99, 32), 90);
+    assert_eq!(requests_to_decide(&Slo::default(), 32), 0);
 }
