@@ -61,8 +61,9 @@ pub struct RuleResult {
     pub status: RuleStatus,
     /// How it was decided: `point` (one figure a side against the
     /// threshold), `interval` (per-repeat figures, a Welch interval at the
-    /// rules' confidence) or `noise_floor` (one repeat a side: decided
-    /// only past the noise floor).
+    /// rules' confidence), `noise_floor` (one repeat a side: decided
+    /// only past the noise floor) or `safe_interval` (safe concurrency,
+    /// one search a side: the intervals the sweeps decided it within).
     pub method: &'static str,
     /// Candidate over the threshold (per-repeat methods): above 1 is
     /// better for `>=`, below 1 for `<=`; with its interval.

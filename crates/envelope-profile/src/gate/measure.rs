@@ -134,6 +134,59 @@ fn repeat_rule(
     Some((status, cmp, (bv.len(), cv.len())))
 }
 
+/// A bucket's safe concurrency as the interval the sweep decided it
+/// within (`safe_concurrency` to `safe_upper`; a search that stopped at
+/// its cap measured no higher, so its interval is the point; `None` above
+/// when no breach above was decided). `None` for profiles from before
+/// decided verdicts.
+fn safe_interval(b: &BucketResult) -> Option<(f64, Option<f64>)> {
+    let decided = b.feasible_upper.is_some() || b.probes.iter().any(|p| !p.slo_checks.is_empty());
+    let lo = b.safe_concurrency as f64;
+    let hi = match b.safe_upper {
+        Some(u) => Some(u),
+        None if b.binding_constraint == crate::Constraint::SearchCap => Some(lo),
+        None => None,
+    };
+    decided.then_some((lo, hi))
+}
+
+/// A rule decided on the safe intervals: its status, the ratio of the
+/// safe points to the threshold, and that ratio's interval.
+type IntervalDecision = (RuleStatus, f64, Option<(f64, f64)>);
+
+/// `safe_concurrency >= F x baseline` on the two sides' decided intervals
+/// (one search a side): it fails when even the candidate's upper end is
+/// under F x the baseline's safe point, passes when the candidate's safe
+/// point is within the noise floor of F x the baseline's upper end, and
+/// is inconclusive between. Returns the status, the ratio of the safe
+/// points to the threshold and the interval of that ratio.
+fn safe_interval_rule(
+    rules: &GateRules,
+    r: &Rule,
+    b: &BucketResult,
+    c: &BucketResult,
+) -> Option<IntervalDecision> {
+    if r.metric != "safe_concurrency" || !matches!(r.op, Op::Ge | Op::Gt) {
+        return None;
+    }
+    let ((b_lo, b_hi), (c_lo, c_hi)) = (safe_interval(b)?, safe_interval(c)?);
+    let t = r.number * b_lo;
+    if t <= 0.0 {
+        return None;
+    }
+    let status = if c_hi.is_some_and(|h| !r.op.holds(h, t)) {
+        RuleStatus::Fail
+    } else if b_hi.is_some_and(|h| r.op.holds(c_lo, r.number * h * (1.0 - rules.noise_floor))) {
+        RuleStatus::Pass
+    } else {
+        RuleStatus::Inconclusive
+    };
+    let interval = b_hi
+        .zip(c_hi)
+        .map(|(bh, ch)| (c_lo / (r.number * bh), ch / t));
+    Some((status, c_lo / t, interval))
+}
+
 fn config_metric(c: &ConfigResult, metric: &str) -> Option<f64> {
     let m = &c.memory;
     match metric {
@@ -268,6 +321,17 @@ pub(super) fn rule_results(
                         result.interval = cmp.interval;
                         result.repeats = Some(n);
                         result.repeats_needed = cmp.repeats_needed;
+                    } else if let Some((status, ratio, interval)) = key
+                        .filter(|_| r.relative_to_baseline)
+                        .and_then(|k| Some((bucket_of(bc, k)?, bucket_of(cc, k)?)))
+                        .and_then(|(b, c)| safe_interval_rule(rules, r, b, c))
+                    {
+                        // One decided search a side: the safe points'
+                        // intervals.
+                        result.status = status;
+                        result.method = "safe_interval";
+                        result.ratio = Some(ratio);
+                        result.interval = interval;
                     }
                     out.push(result);
                 }

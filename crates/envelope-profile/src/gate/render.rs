@@ -39,6 +39,9 @@ fn decided_by(x: &RuleResult) -> String {
         .unwrap_or_default();
     match (x.method, x.ratio, x.interval) {
         ("point", _, _) => "one figure a side".into(),
+        ("safe_interval", Some(ratio), Some((lo, hi))) => {
+            format!("safe intervals, ratio {ratio:.3} ({lo:.3}-{hi:.3})")
+        }
         (_, Some(ratio), Some((lo, hi))) => {
             format!("ratio {ratio:.3} ({lo:.3}-{hi:.3}){n}")
         }

@@ -451,3 +451,69 @@ fn a_repeat_figure_between_two_probes_is_on_the_line() {
     // 90 against 100: the candidate at 0.9 / 0.95 of the threshold.
     assert!((x.ratio.unwrap() - 0.9 / 0.95).abs() < 1e-9, "{x:?}");
 }
+
+/// A profile whose buckets' safe points were decided within
+/// [safe, safe_upper] (`None`: no breach above was decided).
+fn decided(mut p: Profile, safe: u32, upper: Option<u32>) -> Profile {
+    for b in &mut p.configs[0].buckets {
+        b.safe_concurrency = safe;
+        b.feasible_upper = upper.map(|u| u as f64 + 1.0);
+        b.safe_upper = upper.map(f64::from);
+        b.probes[0].slo_checks = vec![crate::SloCheck {
+            slo: Constraint::TtftP95,
+            limit_ms: 1000.0,
+            percentile: 0.95,
+            samples: 45,
+            over: 0,
+            over_share_lower: 0.0,
+            over_share_upper: 0.05,
+            decision: crate::confidence::Decision::Holds,
+        }];
+    }
+    p
+}
+
+#[test]
+fn one_decided_search_a_side_compares_the_safe_intervals() {
+    let rules =
+        GateRules::from_toml("rules = [\"safe_concurrency >= 1.0 x baseline\"]", "r.toml").unwrap();
+    let run = |b: Profile, c: Profile| {
+        let r = gate(&b, &c, &rules);
+        let x = r
+            .rules
+            .iter()
+            .find(|x| x.bucket.as_deref() == Some("64x32"))
+            .unwrap()
+            .clone();
+        (r.verdict, x)
+    };
+    let base = |safe, upper| decided(profile("f32", 4, 100.0, 0.0, 1.0), safe, upper);
+    let cand = |safe, upper| decided(profile("q8_0", 4, 100.0, 0.01, 0.99), safe, upper);
+    // The same interval a side: within the noise floor of the baseline's
+    // upper end (13 >= 0.9 x 14), a pass.
+    let (v, x) = run(base(13, Some(14)), cand(13, Some(14)));
+    assert_eq!(
+        (v, x.status, x.method),
+        (Verdict::Pass, RuleStatus::Pass, "safe_interval")
+    );
+    let (lo, hi) = x.interval.unwrap();
+    assert!(
+        (lo - 13.0 / 14.0).abs() < 1e-9 && (hi - 14.0 / 13.0).abs() < 1e-9,
+        "{x:?}"
+    );
+    // Even the candidate's upper end under the baseline's safe point: a fail.
+    let (v, x) = run(base(13, Some(14)), cand(10, Some(11)));
+    assert_eq!((v, x.status), (Verdict::Fail, RuleStatus::Fail));
+    // Overlapping, one step down: cannot tell (12 < 0.9 x 14 = 12.6).
+    let (v, x) = run(base(13, Some(14)), cand(12, Some(13)));
+    assert_eq!(
+        (v, x.status),
+        (Verdict::Inconclusive, RuleStatus::Inconclusive)
+    );
+    // The baseline's upper end unknown: it can fail, never pass.
+    let (_, x) = run(base(13, None), cand(13, Some(14)));
+    assert_eq!(x.status, RuleStatus::Inconclusive);
+    // The point rule without decided verdicts on a side, as before.
+    let (_, x) = run(profile("f32", 4, 100.0, 0.0, 1.0), cand(13, Some(14)));
+    assert_eq!(x.method, "point");
+}
