@@ -2,7 +2,8 @@
 //! p95 against concurrency (or offered rate, for open-loop sweeps), one
 //! series per bucket, with the safe point and the knee marked; with repeats
 //! of the search, error bars from the lowest to the highest repeat at each
-//! probed level, and the safe point's range. Made from the profile alone,
+//! probed level, and the safe point's range (over the repeats, or the
+//! interval one search decided it within). Made from the profile alone,
 //! like the reports.
 
 use envelope_profile::{BucketResult, ConfigResult, ProbeSummary, Slo};
@@ -144,12 +145,20 @@ fn panel<DB: DrawingBackend>(
                 ErrorBar::new_vertical(x, lo, mean, hi, color.stroke_width(1), 6)
             }))
             .map_err(err)?;
+        // The safe point's range: over the repeats, or with one search the
+        // interval its verdicts decided it within.
         let safe_range = b.repeats.iter().map(|r| r.safe_concurrency as f64);
-        if let (Some(lo), Some(hi), true) = (
-            safe_range.clone().reduce(f64::min),
-            safe_range.reduce(f64::max),
-            b.repeats.len() > 1 && b.safe_rate_per_s.is_none(),
-        ) {
+        let range = if b.repeats.len() > 1 && b.safe_rate_per_s.is_none() {
+            safe_range
+                .clone()
+                .reduce(f64::min)
+                .zip(safe_range.reduce(f64::max))
+        } else {
+            b.safe_upper
+                .filter(|u| *u > safe_x(b))
+                .map(|u| (safe_x(b), u))
+        };
+        if let Some((lo, hi)) = range {
             let y = y_max * (0.93 - 0.05 * i as f64);
             chart
                 .draw_series(std::iter::once(ErrorBar::new_horizontal(
@@ -584,5 +593,14 @@ mod tests {
         // three panels, and the safe point's range, each of three lines.
         assert_eq!(lines(1), lines(0));
         assert!(lines(3) > lines(0), "{} vs {}", lines(3), lines(0));
+        // One search whose safe point was decided within [3, 5]: the
+        // interval's bar, in each of the three panels.
+        let mut c = config(0);
+        for b in &mut c.buckets {
+            b.safe_upper = Some(5.0);
+        }
+        let svg = config_svg(&c, &slo).unwrap();
+        let with = svg.matches("<line").count() + svg.matches("<polyline").count();
+        assert!(with > lines(0), "{with} vs {}", lines(0));
     }
 }
