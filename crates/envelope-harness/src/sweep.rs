@@ -5,6 +5,7 @@
 use crate::agents;
 use crate::config::{AgentLoad, BenchConfig, MatrixPoint};
 use crate::load::{closed_loop, open_loop, Arrivals, ProbeRun};
+use crate::record::RequestRecord;
 use envelope_profile::{
     Bracket, ConfigResult, Constraint, LevelSearch, LevelStep, LevelVerdict, Limits, MemoryReport,
     ProbeSummary, Profile, Recovery, Step, WorkloadProbe, WorkloadResult, PROFILE_SCHEMA,
@@ -122,7 +123,7 @@ mod summary;
 use session::{open, Session};
 pub use summary::{
     breaches, bucket_result, decision, knee, kv_tokens_limit, level_verdict, merge_repeats,
-    requests_to_decide, slo_checks, stop_when_decided, summarise,
+    requests_to_decide, requests_to_hold, slo_checks, stop_when_decided, summarise,
 };
 
 /// The most requests a level's probes may send to decide its verdict:
@@ -241,20 +242,59 @@ fn run_point(
                 .as_ref()
                 .map(|(_, r)| r.records.clone())
                 .unwrap_or_default();
-            let at_least = if extending { 0 } else { total as usize };
-            let stop = Some(stop_when_decided(&cfg.slo, prior, at_least));
-            let run = if total == 0 {
-                ProbeRun::default()
-            } else if open_loop_mode {
-                let arrivals = Arrivals {
-                    rate_per_s: rate,
-                    total_requests: total,
-                    late_after_s: cfg.load.late_after_ms / 1e3,
-                    salt,
-                };
-                open_loop(&session.driver, &cfg.prompts, *bucket, arrivals, stop)
+            // One run of `n` requests at this level, stopped once decided.
+            let run_at = |n: u32, salt: u64, before: Vec<RequestRecord>, at_least: usize| {
+                let stop = Some(stop_when_decided(&cfg.slo, before, at_least));
+                if open_loop_mode {
+                    let arrivals = Arrivals {
+                        rate_per_s: rate,
+                        total_requests: n,
+                        late_after_s: cfg.load.late_after_ms / 1e3,
+                        salt,
+                    };
+                    open_loop(&session.driver, &cfg.prompts, *bucket, arrivals, stop)
+                } else {
+                    closed_loop(&session.driver, &cfg.prompts, *bucket, k, n, salt, stop)
+                }
+            };
+            let run = if !extending {
+                run_at(total, salt, vec![], total as usize)
             } else {
-                closed_loop(&session.driver, &cfg.prompts, *bucket, k, total, salt, stop)
+                // First the fewest requests that would decide the level if
+                // none were over a limit (closed loop: whole waves of k, so
+                // no request runs under less load than the level's); if that
+                // did not decide it, on without a break until decided or
+                // the budget is spent. (Every new run starts its workers
+                // together, a burst the level's steady state does not see:
+                // one restart, not one per chunk.)
+                let mut new = ProbeRun::default();
+                for chunk_no in 1u64..=2 {
+                    let mut seen = prior.clone();
+                    seen.extend(new.records.iter().cloned());
+                    let left = total.saturating_sub(new.records.len() as u32);
+                    let decided = stop_when_decided(&cfg.slo, vec![], 0)(&seen);
+                    let need = requests_to_hold(&seen, &cfg.slo, bucket.output_tokens);
+                    let chunk = match need {
+                        Some(n) if n > 0 && left > 0 && !decided => {
+                            let n = if open_loop_mode { n } else { n.div_ceil(k) * k };
+                            if chunk_no == 1 {
+                                n.min(left)
+                            } else {
+                                left
+                            }
+                        }
+                        _ => break,
+                    };
+                    // Fresh prompts in every run (a prefix cache must not
+                    // make the extension faster than the screen).
+                    let r = run_at(chunk, salt ^ (chunk_no << 40), seen, 0);
+                    new = if new.records.is_empty() {
+                        r
+                    } else {
+                        new.extended(r)
+                    };
+                }
+                new
             };
             let probe_id = ctx.probes_total;
             ctx.probes_total += 1;

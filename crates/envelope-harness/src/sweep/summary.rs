@@ -122,6 +122,51 @@ pub fn requests_to_decide(slo: &Slo, output_tokens: u32) -> u32 {
     per_request.max(per_gap) as u32
 }
 
+/// The fewest more requests after which every latency SLO would hold at
+/// `slo.confidence` if none of them were over its limit (the size of the
+/// next chunk of a probe being decided); ITL counts `output_tokens - 1`
+/// gaps a request. `None` when an SLO is already breached or none is set;
+/// 0 when all hold.
+pub fn requests_to_hold(records: &[RequestRecord], slo: &Slo, output_tokens: u32) -> Option<u32> {
+    let checks = slo_checks(records.iter(), slo);
+    if checks.is_empty() || checks.iter().any(|c| c.decision == Decision::Breached) {
+        return None;
+    }
+    let gaps = u64::from(output_tokens.saturating_sub(1).max(1));
+    checks
+        .iter()
+        .map(|c| {
+            let holds = |n: u64| {
+                confidence::rate_upper_bound(c.over, n, slo.confidence) <= 1.0 - c.percentile
+            };
+            if holds(c.samples) {
+                return 0;
+            }
+            // The bound falls as samples grow with `over` fixed: double,
+            // then bisect.
+            let (mut lo, mut hi) = (c.samples, c.samples.max(1) * 2);
+            while !holds(hi) && hi < 1 << 40 {
+                (lo, hi) = (hi, hi * 2);
+            }
+            while hi - lo > 1 {
+                let m = lo + (hi - lo) / 2;
+                if holds(m) {
+                    hi = m;
+                } else {
+                    lo = m;
+                }
+            }
+            let more = hi - c.samples;
+            if c.slo == Constraint::ItlP95 {
+                more.div_ceil(gaps)
+            } else {
+                more
+            }
+        })
+        .max()
+        .map(|m| m.min(u64::from(u32::MAX)) as u32)
+}
+
 /// Stops a probe once its verdict is decided: a latency SLO breached, or
 /// (with no failure allowed) a request failed, at any time; every latency
 /// SLO held, once the level has `at_least` requests (a screening probe

@@ -493,3 +493,40 @@ fn the_requests_a_verdict_needs_follow_the_percentile_and_confidence() {
     assert_eq!(requests_to_decide(&c99, 32), 90);
     assert_eq!(requests_to_decide(&Slo::default(), 32), 0);
 }
+
+#[test]
+fn the_next_chunk_is_what_would_decide_the_level_if_every_answer_were_fast() {
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    let fast = vec![rec(0.1, 0.02, 33); 16];
+    // 16 clean TTFT samples of the 45 a p95 needs at 90%.
+    assert_eq!(requests_to_hold(&fast, &p95s, 33), Some(29));
+    // One over the limit: 1 of n holds from n = 77 (0.9^... solved by
+    // bisection in envelope_profile::confidence's tests).
+    let mut one_slow = fast.clone();
+    one_slow.push(rec(0.9, 0.02, 33));
+    let n = requests_to_hold(&one_slow, &p95s, 33).unwrap() as u64 + 17;
+    assert!(
+        envelope_profile::confidence::rate_upper_bound(1, n, 0.9) <= 0.05
+            && envelope_profile::confidence::rate_upper_bound(1, n - 1, 0.9) > 0.05,
+        "{n}"
+    );
+    // Decided already either way: nothing more, or nothing to wait for.
+    assert_eq!(
+        requests_to_hold(&vec![rec(0.1, 0.02, 33); 45], &p95s, 33),
+        Some(0)
+    );
+    assert_eq!(
+        requests_to_hold(&vec![rec(0.9, 0.02, 33); 3], &p95s, 33),
+        None
+    );
+    assert_eq!(requests_to_hold(&fast, &Slo::default(), 33), None);
+    // ITL alone counts gaps: 32 a request, 45 needed, 16 requests in hand.
+    let itl = Slo {
+        ttft_p95_ms: None,
+        ..p95s
+    };
+    assert_eq!(requests_to_hold(&fast[..1], &itl, 33), Some(1));
+}
