@@ -171,63 +171,12 @@ fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
     );
 }
 
-/// An OpenAI-compatible server over which exactly every twentieth request
-/// waits a second before its first token: 5% of the requests are over a
-/// 500 ms TTFT limit, right at the p95's edge, which no sample can decide.
-mod edge_server {
-    use axum::body::Body;
-    use axum::extract::State;
-    use axum::routing::post;
-    use axum::{Json, Router};
-    use serde_json::{json, Value};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    pub async fn start() -> String {
-        let app = Router::new()
-            .route("/v1/completions", post(completions))
-            .with_state(Arc::new(AtomicU64::new(0)));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        base
-    }
-
-    async fn completions(State(arrivals): State<Arc<AtomicU64>>, Json(body): Json<Value>) -> Body {
-        let me = arrivals.fetch_add(1, Ordering::SeqCst) + 1;
-        let asked = body["max_tokens"].as_u64().unwrap_or(4);
-        let prompt = body["prompt"].as_array().map_or(1, |p| p.len() as u64);
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(4);
-        tokio::spawn(async move {
-            if me % 20 == 0 {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            let event = |v: Value| Ok(format!("data: {v}\n\n"));
-            for i in 0..asked {
-                let finish = if i + 1 == asked {
-                    json!("length")
-                } else {
-                    Value::Null
-                };
-                let chunk =
-                    json!({"choices": [{"index": 0, "text": "x", "finish_reason": finish}]});
-                if tx.send(event(chunk)).await.is_err() {
-                    return;
-                }
-            }
-            let usage = json!({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": asked}});
-            for e in [event(usage), Ok("data: [DONE]\n\n".into())] {
-                let _ = tx.send(e).await;
-            }
-        });
-        Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-    }
-}
-
+/// Exactly every twentieth request waits a second before its first token:
+/// 5% of the requests are over a 500 ms TTFT limit, right at the p95's
+/// edge, which no sample can decide.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_level_its_requests_cannot_decide_is_never_passed() {
-    let base = edge_server::start().await;
+    let base = fake_server::start(fake_server::Misbehaviour::SlowEvery(20)).await;
     let d = out_dir("undecided");
     let cfg = format!(
         r#"[target]
@@ -464,11 +413,9 @@ e2e_p99_ms = 60000
     assert!(std::fs::read_dir(d.join("out/logs")).unwrap().count() >= 2);
 }
 
-/// An OpenAI-compatible server that misbehaves the way some do under load:
-/// each new request ends every running stream early (a finish reason, the
-/// usage and `[DONE]`, as if the answer were whole). Alone, a request gets
-/// all it asked for. No `/metrics`.
-mod cutting_server {
+/// An OpenAI-compatible server (streaming `/v1/completions`, no
+/// `/metrics`) that misbehaves in one way.
+mod fake_server {
     use axum::body::Body;
     use axum::extract::State;
     use axum::routing::post;
@@ -478,31 +425,50 @@ mod cutting_server {
     use std::sync::Arc;
     use std::time::Duration;
 
-    pub async fn start() -> String {
-        let arrivals = Arc::new(AtomicU64::new(0));
+    #[derive(Clone, Copy)]
+    pub enum Misbehaviour {
+        /// As some do under load: each new request ends every running
+        /// stream early (a finish reason, the usage and `[DONE]`, as if the
+        /// answer were whole). Alone, a request gets all it asked for.
+        CutStreams,
+        /// Exactly every Nth request waits a second before its first token.
+        SlowEvery(u64),
+    }
+
+    pub async fn start(how: Misbehaviour) -> String {
         let app = Router::new()
             .route("/v1/completions", post(completions))
-            .with_state(arrivals);
+            .with_state((Arc::new(AtomicU64::new(0)), how));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         base
     }
 
-    async fn completions(State(arrivals): State<Arc<AtomicU64>>, Json(body): Json<Value>) -> Body {
+    async fn completions(
+        State((arrivals, how)): State<(Arc<AtomicU64>, Misbehaviour)>,
+        Json(body): Json<Value>,
+    ) -> Body {
         let me = arrivals.fetch_add(1, Ordering::SeqCst) + 1;
         let asked = body["max_tokens"].as_u64().unwrap_or(16);
         let prompt = body["prompt"].as_array().map_or(1, |p| p.len() as u64);
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<String, std::io::Error>>(4);
         tokio::spawn(async move {
             let event = |v: Value| Ok(format!("data: {v}\n\n"));
+            if let Misbehaviour::SlowEvery(n) = how {
+                if me % n == 0 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
             let mut sent = 0;
             let mut finish = "length";
             while sent < asked {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                if arrivals.load(Ordering::SeqCst) != me {
-                    finish = "stop";
-                    break;
+                if let Misbehaviour::CutStreams = how {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if arrivals.load(Ordering::SeqCst) != me {
+                        finish = "stop";
+                        break;
+                    }
                 }
                 sent += 1;
                 let chunk = json!({"choices": [{"index": 0, "text": "x", "finish_reason": null}]});
@@ -522,7 +488,7 @@ mod cutting_server {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_cuts_streams_fails_its_probes_with_short_output() {
-    let base = cutting_server::start().await;
+    let base = fake_server::start(fake_server::Misbehaviour::CutStreams).await;
     let d = out_dir("cutting");
     let cfg = format!(
         r#"[target]
