@@ -11,6 +11,7 @@ pub mod quality;
 pub mod schema;
 pub mod search;
 pub mod stats;
+pub mod trace;
 pub mod workload;
 
 pub use quality::QualityReport;

@@ -1,0 +1,154 @@
+use super::*;
+
+fn sample(name: &str) -> String {
+    format!(
+        "{}/../../bench-configs/traces/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn our_sample_reads_with_sessions_prefixes_and_tags() {
+    let t = Trace::read(&sample("sample-envelope.jsonl"), None).unwrap();
+    assert_eq!(t.name, "sample-envelope");
+    assert_eq!(t.requests.len(), 36);
+    // Shifted from Unix time to start at 0, sorted.
+    assert_eq!(t.requests[0].t_s, 0.0);
+    assert!(t.requests.windows(2).all(|w| w[0].t_s <= w[1].t_s));
+    assert!(t.span_s() > 5.0 && t.span_s() < 60.0, "{}", t.span_s());
+    let sessions = t.sessions();
+    assert_eq!(sessions.len(), 6);
+    for calls in sessions.values() {
+        assert_eq!(calls.len(), 3);
+        let first = &t.requests[calls[0]];
+        assert_eq!(first.prefix_blocks[0], 11, "the shared system block");
+        assert_eq!(first.block_tokens, Some(128));
+        assert_eq!(first.tenant.as_deref(), Some("team-a"));
+    }
+    let batch = t
+        .requests
+        .iter()
+        .filter(|r| r.class.as_deref() == Some("batch"))
+        .count();
+    assert_eq!(batch, 18);
+}
+
+#[test]
+fn mooncake_sample_reads_blocks_of_512_in_seconds() {
+    let path = sample("sample-mooncake.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        TraceFormat::detect(&path, &text),
+        Some(TraceFormat::Mooncake)
+    );
+    let t = Trace::read(&path, None).unwrap();
+    assert_eq!(t.requests.len(), 40);
+    // The first line is at 255 ms, the second 318 ms: 63 ms apart.
+    assert!((t.requests[1].t_s - 0.063).abs() < 1e-9);
+    let r = &t.requests[0];
+    assert_eq!((r.input_tokens, r.output_tokens), (1325, 133));
+    assert_eq!(r.prefix_blocks, vec![1, 2, 1000]);
+    assert_eq!(r.block_tokens, Some(MOONCAKE_BLOCK_TOKENS));
+    // Every request's blocks cover its prompt: ceil(input / 512) ids.
+    for r in &t.requests {
+        assert_eq!(r.prefix_blocks.len() as u32, r.input_tokens.div_ceil(512));
+    }
+}
+
+#[test]
+fn burstgpt_sample_reads_tokens_models_and_failures() {
+    let t = Trace::read(&sample("sample-burstgpt.csv"), None).unwrap();
+    assert_eq!(t.requests.len(), 30);
+    let r = &t.requests[0];
+    assert_eq!((r.t_s, r.input_tokens, r.output_tokens), (0.0, 1100, 393));
+    assert_eq!(r.model.as_deref(), Some("ChatGPT"));
+    assert_eq!(r.class.as_deref(), Some("Conversation log"));
+    // Row 8 had 0 response tokens: a failure, kept as offered load.
+    let failed: Vec<_> = t
+        .requests
+        .iter()
+        .filter(|r| r.status == Some(500))
+        .collect();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].output_tokens, 0);
+    // Timestamps 8, 9, 12 s: shifted to 0, 1, 4.
+    assert_eq!(t.requests[2].t_s, 4.0);
+}
+
+#[test]
+fn bad_records_name_the_line_and_field() {
+    let e = Trace::parse(
+        "x",
+        "{\"t_s\": 1, \"input_tokens\": 3}\n",
+        TraceFormat::Envelope,
+    )
+    .unwrap_err();
+    assert!(e.contains("line 1") && e.contains("output_tokens"), "{e}");
+    let e = Trace::parse(
+        "x",
+        "{\"t_s\": 0, \"input_tokens\": 3, \"output_tokens\": 1}\n\n{\"t_s\": 1, \"input_tokens\": 3, \"output_tokens\": 1, \"prompt\": \"hi\"}\n",
+        TraceFormat::Envelope,
+    )
+    .unwrap_err();
+    assert!(e.contains("line 3") && e.contains("prompt"), "{e}");
+    let e = Trace::parse(
+        "x",
+        "Timestamp,Request tokens,Response tokens\n1,10,2\n2,ten,2\n",
+        TraceFormat::BurstGpt,
+    )
+    .unwrap_err();
+    assert!(e.contains("line 3") && e.contains("Request tokens"), "{e}");
+    let e = Trace::parse("x", "Timestamp,Model\n1,a\n", TraceFormat::BurstGpt).unwrap_err();
+    assert!(e.contains("Request tokens"), "{e}");
+    let e = Trace::parse(
+        "x",
+        "{\"t_s\": 0, \"input_tokens\": 3, \"output_tokens\": 1, \"prefix_blocks\": [1]}\n",
+        TraceFormat::Envelope,
+    )
+    .unwrap_err();
+    assert!(e.contains("block_tokens"), "{e}");
+    assert!(Trace::parse("x", "\n", TraceFormat::Envelope)
+        .unwrap_err()
+        .contains("no requests"));
+    let dir = std::env::temp_dir().join(format!("envelope-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("t.jsonl");
+    std::fs::write(&f, "{\"a\": 1}\n").unwrap();
+    let e = Trace::read(f.to_str().unwrap(), None).unwrap_err();
+    assert!(e.contains("t.jsonl") && e.contains("name it"), "{e}");
+    assert!(TraceFormat::parse("sharegpt").is_err());
+}
+
+#[test]
+fn a_record_round_trips_and_the_committed_schema_is_current() {
+    let mut r = TraceRequest::new(1.5, 10, 2);
+    r.session = Some("s".into());
+    r.tiers = Some(TierCall {
+        start_tier: "small".into(),
+        tier: "large".into(),
+        reason: "default".into(),
+        outcome: "ok".into(),
+        fallback_from: None,
+        escalated: Some("json".into()),
+        cost: 0.25,
+        tiers_version: "v1".into(),
+        prices_version: None,
+    });
+    let line = serde_json::to_string(&r).unwrap();
+    assert!(!line.contains("prefix_blocks"), "empty fields are left out");
+    let back: TraceRequest = serde_json::from_str(&line).unwrap();
+    assert_eq!(back, r);
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../profiles/schema/trace.schema.json"
+    );
+    let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
+    if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
+        std::fs::write(path, &want).unwrap();
+    }
+    let have = std::fs::read_to_string(path).unwrap_or_default();
+    assert!(
+        have == want,
+        "{path} is stale: run with ENVELOPE_WRITE_SCHEMA=1 to write it"
+    );
+}
