@@ -6,6 +6,8 @@
 # whatever else the machine is doing (check `uptime`).
 #
 #   scripts/govern-overhead.sh [SECONDS_PER_RUN] [RATE...]
+#   ENVELOPE_OVERHEAD_RECORD=1 adds a path through a governor with --record
+#   (what recording adds to the p99); ENVELOPE_OVERHEAD_REPS sets the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-5}"

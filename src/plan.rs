@@ -27,9 +27,10 @@ pub struct PlanArgs {
     /// Model tiers: requests per call on each tier, `small=0.8,large=0.25`.
     #[arg(long, value_name = "NAME=SHARE,...", conflicts_with = "tier_mix_from")]
     pub tier_mix: Option<String>,
-    /// Model tiers: the mix measured by the governor, from its calls log
-    /// (`calls_log` in the tiers file: attempts per call on each tier).
-    #[arg(long, value_name = "CALLS.jsonl")]
+    /// Model tiers: the mix measured by the governor, from the trace it
+    /// recorded (`envelope govern --tiers FILE --record TRACE`: attempts
+    /// per call on each tier).
+    #[arg(long, value_name = "TRACE.jsonl")]
     pub tier_mix_from: Option<PathBuf>,
     /// The profile configuration to plan with (default: the profile's `selected`).
     #[arg(long, env = "ENVELOPE_PLAN_CONFIG")]

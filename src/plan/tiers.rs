@@ -4,7 +4,8 @@
 
 use super::{render, PlanArgs};
 use anyhow::{Context, Result};
-use envelope_profile::plan::tiers::{mix_from_calls_log, tier_workload, tiers_named};
+use envelope_profile::plan::tiers::{mix_from_trace, tier_workload, tiers_named};
+use envelope_profile::trace::Trace;
 use envelope_profile::workload::Workload;
 use envelope_profile::Profile;
 use std::collections::BTreeMap;
@@ -43,9 +44,9 @@ pub fn run(args: &PlanArgs, workload: &Workload, wpath: &str) -> Result<()> {
     let mix = match (&args.tier_mix, &args.tier_mix_from) {
         (Some(m), _) => parse_mix(m)?,
         (None, Some(p)) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading --tier-mix-from {}", p.display()))?;
-            mix_from_calls_log(&text)
+            let trace = Trace::read(&p.display().to_string(), None)
+                .map_err(|e| anyhow::anyhow!("--tier-mix-from {e}"))?;
+            mix_from_trace(&trace)
                 .map_err(|e| anyhow::anyhow!("--tier-mix-from {}: {e}", p.display()))?
         }
         (None, None) => BTreeMap::new(),

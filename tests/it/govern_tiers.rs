@@ -461,7 +461,6 @@ async fn costs_add_up_to_the_tokens_served() {
 version = "v1"
 order = ["small", "large"]
 prices_version = "list-7"
-calls_log = "calls.jsonl"
 [tiers.small]
 upstreams = [{{ url = "{}", profile = "{}", model = "tiny-a" }}]
 price = {{ input_per_mtok = 50.0, output_per_mtok = 200.0 }}
@@ -482,7 +481,19 @@ max_cost_per_call = 1.0
         b.base,
         profile(&dir, "large", 1024, 64, 8).display(),
     );
-    let gov = govern(&dir, &text);
+    let path = dir.join("tiers.toml");
+    std::fs::write(&path, &text).unwrap();
+    let gov = common::Governor::launch(
+        &dir,
+        &[
+            "--tiers",
+            path.to_str().unwrap(),
+            "--guard",
+            "false",
+            "--record",
+            log.to_str().unwrap(),
+        ],
+    );
     let mut served = std::collections::HashMap::<(&str, String), (u64, u64, f64)>::new();
     for i in 0..8u64 {
         let (feature, hint) = if i % 4 == 3 {
@@ -539,18 +550,33 @@ max_cost_per_call = 1.0
         .map(|o| o["feature"].as_str().unwrap())
         .collect();
     assert_eq!(over, ["summary"]);
-    // The calls log has a line per call, its costs the same total.
-    let lines: Vec<Value> = std::fs::read_to_string(&log)
-        .unwrap()
-        .lines()
+    // The record has a line per call (written off the request path, so
+    // waited for), its costs the same total, its tokens what was served.
+    let lines: Vec<Value> = common::lines_when(&log, 8)
+        .await
+        .iter()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 8);
-    let logged: f64 = lines.iter().map(|l| l["cost"].as_f64().unwrap()).sum();
+    let logged: f64 = lines
+        .iter()
+        .map(|l| l["tiers"]["cost"].as_f64().unwrap())
+        .sum();
     assert!((logged - total).abs() < 1e-9, "{logged} vs {total}");
     assert!(lines
         .iter()
-        .all(|l| l["prices_version"] == "list-7" && l["tenant"] == "default"));
+        .all(|l| l["tiers"]["prices_version"] == "list-7" && l["tenant"] == "default"));
+    let out: u64 = lines
+        .iter()
+        .map(|l| l["output_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(out, served.values().map(|v| v.1).sum::<u64>());
+    // They are trace records, with no prompt text.
+    let trace = envelope_profile::trace::Trace::read(log.to_str().unwrap(), None).unwrap();
+    assert_eq!(trace.requests.len(), 8);
+    assert!(!std::fs::read_to_string(&log)
+        .unwrap()
+        .contains("xxxxxxxxxx"));
     // The export and /metrics say the same.
     let csv = reqwest::get(gov.url("/admin/tiers/costs"))
         .await

@@ -209,7 +209,7 @@ headroom = 0.1
 }
 
 /// Model tiers: each tier is planned with its own profile for its share of
-/// the requests, from a mix given or measured by the governor's calls log.
+/// the requests, from a mix given or measured by the governor's record.
 #[test]
 fn plan_sizes_each_tier_for_its_share_of_the_requests() {
     let tiers = |mix: &[&str]| {
@@ -260,13 +260,13 @@ fn plan_sizes_each_tier_for_its_share_of_the_requests() {
     let log = dir.join("calls.jsonl");
     std::fs::write(
         &log,
-        [
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
-            r#"{"tier":"large","start_tier":"large","escalated":null,"outcome":"ok"}"#,
-        ]
-        .join("\n"),
+        ["small", "small", "small", "large"]
+            .map(|t| {
+                format!(
+                    r#"{{"t_s":0,"input_tokens":10,"output_tokens":2,"tiers":{{"start_tier":"{t}","tier":"{t}","reason":"default","outcome":"ok","cost":0.0,"tiers_version":"v1"}}}}"#
+                )
+            })
+            .join("\n"),
     )
     .unwrap();
     let r = tiers(&["--tier-mix-from", log.to_str().unwrap()]);

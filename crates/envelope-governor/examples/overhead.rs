@@ -5,7 +5,9 @@
 //! the throughput ratio governed/direct, with units and the machine.
 //!
 //! `cargo run --release -p envelope-governor --example overhead -- [SECONDS] [RATE...]`
-//! (`ENVELOPE_OVERHEAD_REPS`, default 3, alternating runs per path; medians reported)
+//! (`ENVELOPE_OVERHEAD_REPS`, default 3, alternating runs per path; medians reported;
+//! `ENVELOPE_OVERHEAD_RECORD=1` adds a third path, a second governor with
+//! `--record` to a temporary file, and reports what recording adds)
 //! (scripts/govern-overhead.sh runs it). Upstream, governor and load
 //! generator each get their own runtime thread(s) in this process.
 
@@ -117,30 +119,56 @@ fn main() {
     });
     // The governor, with limits that never bind (overhead only), counting
     // tokens by the labelled estimate (no extra round trip).
+    let record = std::env::var_os("ENVELOPE_OVERHEAD_RECORD").is_some();
     let gov_rt = runtime(1);
-    let (governed, gov) = gov_rt.block_on(async {
-        let limits = Limits {
-            max_context_tokens: 4096,
-            max_output_tokens: 1024,
-            max_concurrent_seqs: 100_000,
-            max_kv_tokens_in_flight: 100_000_000,
-            buckets: vec![],
-        };
-        let mut s = Settings::new(limits, "overhead");
-        s.max_queue_len = 100_000;
-        let gov = Governor::new(s);
-        let state = Arc::new(AppState::new(
-            gov.clone(),
-            &upstream,
-            TokenCounter::Estimate {
-                bytes_per_token: 3.0,
+    let start_governor = |recorder: Option<Arc<envelope_governor::recorder::Recorder>>| {
+        gov_rt.block_on(async {
+            let limits = Limits {
+                max_context_tokens: 4096,
+                max_output_tokens: 1024,
+                max_concurrent_seqs: 100_000,
+                max_kv_tokens_in_flight: 100_000_000,
+                buckets: vec![],
+            };
+            let mut s = Settings::new(limits, "overhead");
+            s.max_queue_len = 100_000;
+            let gov = Governor::new(s);
+            let mut state = AppState::new(
+                gov.clone(),
+                &upstream,
+                TokenCounter::Estimate {
+                    bytes_per_token: 3.0,
+                },
+            );
+            state.recorder = recorder;
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            tokio::spawn(envelope_governor::serve(
+                l,
+                Arc::new(state),
+                std::future::pending(),
+            ));
+            (format!("http://{addr}"), gov)
+        })
+    };
+    let (governed, gov) = start_governor(None);
+    let record_file =
+        std::env::temp_dir().join(format!("envelope-overhead-{}.jsonl", std::process::id()));
+    let recorder = record.then(|| {
+        envelope_governor::recorder::Recorder::start(
+            envelope_governor::recorder::RecordSettings {
+                path: record_file.clone(),
+                max_bytes: 256 << 20,
+                keep: 1,
+                capacity: 65_536,
+                salt: b"overhead".to_vec(),
             },
-        ));
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        tokio::spawn(envelope_governor::serve(l, state, std::future::pending()));
-        (format!("http://{addr}"), gov)
+            Default::default(),
+            Default::default(),
+        )
+        .unwrap()
     });
+    let recorded = recorder.as_ref().map(|r| start_governor(Some(r.clone())).0);
     let client_rt = runtime(2);
     let cpu = envelope_telemetry::host::cpu_model().unwrap_or_else(|| "unknown CPU".into());
     let cores = envelope_telemetry::host::logical_cores();
@@ -150,25 +178,27 @@ fn main() {
         "rate req/s", "path", "sent", "ok", "thrpt req/s", "p50 ms", "p99 ms", "max ms"
     );
     let mut summary = vec![];
+    let mut recorded_summary = vec![];
     for &rate in &rates {
+        let mut paths = vec![("direct", upstream.clone()), ("governed", governed.clone())];
+        if let Some(r) = &recorded {
+            paths.push(("recorded", r.clone()));
+        }
         // Warm the connection pools.
-        client_rt.block_on(open_loop(
-            format!("{upstream}/v1/completions"),
-            rate.min(200.0),
-            0.5,
-        ));
-        client_rt.block_on(open_loop(
-            format!("{governed}/v1/completions"),
-            rate.min(200.0),
-            0.5,
-        ));
-        // Alternate the order over `reps` repetitions; report medians, so
+        for (_, base) in &paths {
+            client_rt.block_on(open_loop(
+                format!("{base}/v1/completions"),
+                rate.min(200.0),
+                0.5,
+            ));
+        }
+        // Rotate the order over `reps` repetitions; report medians, so
         // one noisy run (other processes, timer jitter) does not decide.
-        let mut per_path: [Vec<(f64, f64, f64)>; 2] = [vec![], vec![]];
+        let mut per_path: Vec<Vec<(f64, f64, f64)>> = vec![vec![]; paths.len()];
         for rep in 0..reps {
-            let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
-            for k in order {
-                let (name, base) = [("direct", &upstream), ("governed", &governed)][k];
+            for j in 0..paths.len() {
+                let k = (j + rep) % paths.len();
+                let (name, base) = &paths[k];
                 let r = client_rt.block_on(open_loop(format!("{base}/v1/completions"), rate, secs));
                 let thr = r.ok as f64 / r.wall_s;
                 println!(
@@ -203,6 +233,13 @@ fn main() {
             med(g, |x| x.1),
             med(g, |x| x.2) / med(d, |x| x.2),
         ));
+        if let Some(rec) = per_path.get(2) {
+            recorded_summary.push((
+                rate,
+                med(g, |x| x.1) - med(d, |x| x.1),
+                med(rec, |x| x.1) - med(d, |x| x.1),
+            ));
+        }
     }
     println!();
     println!("medians over {reps} alternating runs per path:");
@@ -223,6 +260,24 @@ fn main() {
             g50 - d50,
             g99 - d99
         );
+    }
+    if let Some(r) = &recorder {
+        r.flush(Duration::from_secs(10));
+        println!();
+        println!(
+            "recording: {} lines written, {} dropped ({})",
+            r.written(),
+            r.dropped(),
+            record_file.display()
+        );
+        println!(
+            "{:>10} | {:>18} | {:>18} | {:>14}",
+            "rate req/s", "added p99 gov ms", "added p99 rec ms", "rec - gov ms"
+        );
+        for (rate, g, rec) in &recorded_summary {
+            println!("{rate:>10.0} | {g:>18.3} | {rec:>18.3} | {:>14.3}", rec - g);
+        }
+        let _ = std::fs::remove_file(&record_file);
     }
     let own = &gov.state_json()["added_latency_us"];
     println!();

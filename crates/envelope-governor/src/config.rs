@@ -200,6 +200,18 @@ pub struct GovernArgs {
     /// Threads serving connections: 1 (default) runs one event loop, as one nginx worker does (counting with a tokenizer runs on threads of its own either way); more share the connections between that many threads.
     #[arg(long, env = "ENVELOPE_GOVERN_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
+    /// Append one line per finished request to this file, in the trace format (docs/govern.md#recording-traffic; no prompt text), for `envelope sweep`'s [load.trace] and `envelope plan --workload-from`. Written off the request path: when the writer falls behind, records are dropped and counted, never waited for. Prefix ids are salted with ENVELOPE_RECORD_SALT.
+    #[arg(long, env = "ENVELOPE_GOVERN_RECORD")]
+    pub record: Option<PathBuf>,
+    /// --record: rotate the file past this many MiB (default 256), to FILE.1, FILE.2 ...
+    #[arg(long, env = "ENVELOPE_GOVERN_RECORD_MAX_MIB")]
+    pub record_max_mib: Option<u64>,
+    /// --record: rotated files kept (default 4).
+    #[arg(long, env = "ENVELOPE_GOVERN_RECORD_KEEP")]
+    pub record_keep: Option<u32>,
+    /// --record: finished requests that may wait for the writer (default 65536); past it they are dropped and counted.
+    #[arg(long, env = "ENVELOPE_GOVERN_RECORD_QUEUE")]
+    pub record_queue: Option<usize>,
 }
 
 macro_rules! merge {
@@ -207,6 +219,30 @@ macro_rules! merge {
 }
 
 impl GovernArgs {
+    /// `--record`'s settings, or None without it.
+    ///
+    /// # Errors
+    /// A zero queue or size.
+    pub fn record_settings(&self) -> Result<Option<crate::recorder::RecordSettings>, StartError> {
+        let Some(path) = self.record.clone() else {
+            return Ok(None);
+        };
+        let mib = self.record_max_mib.unwrap_or(256);
+        let capacity = self.record_queue.unwrap_or(65_536);
+        if mib == 0 || capacity == 0 {
+            return Err(StartError::Invalid(
+                "--record-max-mib (record_max_mib) and --record-queue (record_queue) must be at least 1".into(),
+            ));
+        }
+        Ok(Some(crate::recorder::RecordSettings {
+            path,
+            max_bytes: mib << 20,
+            keep: self.record_keep.unwrap_or(4),
+            capacity,
+            salt: crate::recorder::salt_from_env(),
+        }))
+    }
+
     /// Flags over the config file's fields.
     ///
     /// # Errors
@@ -271,7 +307,11 @@ impl GovernArgs {
             budgets,
             budget_store,
             budget_store_timeout_ms,
-            worker_threads
+            worker_threads,
+            record,
+            record_max_mib,
+            record_keep,
+            record_queue
         );
         Ok(self)
     }

@@ -17,6 +17,10 @@ pub const CLASS_HEADER: &str = "x-envelope-class";
 const CLASS_NAME: HeaderName = HeaderName::from_static(CLASS_HEADER);
 /// The feature a call is for (budgets per feature, cost per feature).
 pub const FEATURE_HEADER: &str = "x-envelope-feature";
+/// The conversation (agent run, session) a call belongs to: model tiers
+/// keep an escalated conversation on the tier up; `--record` writes it as
+/// the trace's session.
+pub const CONVERSATION_HEADER: &str = "x-envelope-conversation";
 
 pub use crate::names::{valid_name, MAX_FEATURE_NAME};
 

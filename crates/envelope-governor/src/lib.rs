@@ -32,6 +32,7 @@ pub mod policy;
 pub mod price;
 pub mod proxy;
 pub mod queue;
+pub mod recorder;
 mod refusal;
 pub mod request;
 pub mod request_path;

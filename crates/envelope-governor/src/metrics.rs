@@ -76,6 +76,10 @@ pub struct Metrics {
     pub upstream_resent: Counter,
     pub reserved_tokens_settled: Counter,
     pub used_tokens_settled: Counter,
+    /// `--record`: lines written, and finished requests dropped because
+    /// the writer was behind (the channel full).
+    pub records_written: Counter,
+    pub records_dropped: Counter,
     pub reloads: Family<Labels, Counter>,
     pub queue_age: Histogram,
     pub added_latency: Histogram,
@@ -130,6 +134,8 @@ impl Metrics {
             upstream_resent: Counter::default(),
             reserved_tokens_settled: Counter::default(),
             used_tokens_settled: Counter::default(),
+            records_written: Counter::default(),
+            records_dropped: Counter::default(),
             reloads: Family::default(),
             // 50 us .. ~100 s
             queue_age: Histogram::new(exponential_buckets(0.00005, 2.0, 22)),
@@ -277,6 +283,16 @@ impl Metrics {
             "envelope_governor_used_tokens_settled",
             "KV tokens finished requests actually used (prompt + output, when reported)",
             m.used_tokens_settled
+        );
+        reg!(
+            "envelope_governor_records_written",
+            "Finished requests written by --record",
+            m.records_written
+        );
+        reg!(
+            "envelope_governor_records_dropped",
+            "Finished requests --record dropped because its writer was behind",
+            m.records_dropped
         );
         reg!(
             "envelope_governor_profile_reloads",

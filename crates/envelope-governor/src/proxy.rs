@@ -14,6 +14,7 @@ mod serve;
 use crate::error::GovernError;
 use crate::front_door::{governed_routes, FrontDoor};
 use crate::identity::Identity;
+use crate::recorder::Draft;
 use crate::refusal::RefusalCounter;
 use crate::request::{Endpoint, ParsedRequest, Prompts};
 use crate::request_path::{
@@ -85,7 +86,17 @@ async fn handle(
     let settings = s.gov.settings();
     let inc = read_request(&settings, endpoint, req, arrived, who.class).await?;
     let counted = count(s, &settings, &inc.parsed).await?;
-    let placed = place(
+    // With --record, what the request is, for its line when it ends.
+    let draft = s.recorder.as_ref().map(|_| {
+        let tokens = counted.counts.first().copied().unwrap_or(0);
+        Draft::of(&inc, tokens, who)
+    });
+    let refused = |draft: Option<Draft>, e: &GovernError| {
+        if let (Some(r), Some(d)) = (&s.recorder, draft) {
+            r.record(d.refused(e.status().as_u16(), inc.parsed.max_tokens));
+        }
+    };
+    let placed = match place(
         s,
         &settings,
         &inc,
@@ -94,18 +105,28 @@ async fn handle(
         Wait::UntilDeadline,
         inc.deadline,
     )
-    .await?
-    .expect("a request allowed to wait is placed or refused");
+    .await
+    {
+        Ok(p) => p.expect("a request allowed to wait is placed or refused"),
+        Err(e) => {
+            refused(draft, &e);
+            return Err(e);
+        }
+    };
     let sent_at = Instant::now();
     let resp = match send(s, &settings, &inc, &inc.parsed, &placed).await {
         Ok(r) => r,
         Err(e) => {
             placed.held().settle(&Settlement::of_failed_send(&e));
+            refused(draft, &e);
             return Err(e);
         }
     };
     let extra = placed_headers(&placed);
-    let learn = learn_from_usage(s, &placed, &inc.parsed);
+    let on_end = both(
+        learn_from_usage(s, &placed, &inc.parsed),
+        record_at_end(s, draft, resp.status().as_u16()),
+    );
     Ok(stream_back_with(
         s,
         resp,
@@ -113,8 +134,27 @@ async fn handle(
         Some(sent_at),
         inc.end,
         extra,
-        learn,
+        on_end,
     ))
+}
+
+/// One callback at a body's end from two.
+fn both(a: Option<OnEnd>, b: Option<OnEnd>) -> Option<OnEnd> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(Box::new(move |end: StreamEnd| {
+            a(end);
+            b(end);
+        })),
+        (a, b) => a.or(b),
+    }
+}
+
+/// With `--record`: the request's line, written when its body ends.
+fn record_at_end(s: &AppState, draft: Option<Draft>, status: u16) -> Option<OnEnd> {
+    let (recorder, draft) = (s.recorder.clone()?, draft?);
+    Some(Box::new(move |end: StreamEnd| {
+        recorder.record(draft.ended(status, &end));
+    }))
 }
 
 /// For a text prompt counted by the learnt estimate: feeds the answer's

@@ -27,6 +27,7 @@ pub mod route;
 mod shadow;
 mod start;
 mod state;
+mod stream;
 
 pub use config::TiersFile;
 pub use start::run;

@@ -21,7 +21,9 @@ pub struct TraceRequest {
     pub t_s: f64,
     /// Prompt tokens (as counted where the trace was taken).
     pub input_tokens: u32,
-    /// Output tokens the answer had.
+    /// Output tokens the answer had; for a request refused or failed
+    /// before an answer, the client's limit (`max_tokens`; 0 when it set
+    /// none).
     pub output_tokens: u32,
     /// The session (conversation, agent run) the request belongs to: a
     /// session's requests are sent in order, each after the one before
@@ -47,6 +49,9 @@ pub struct TraceRequest {
     /// The model asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The client asked for a stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
     /// What the client got: HTTP status, time to the first token and to
     /// the end, in ms (taken where the trace was recorded; a replay
     /// measures its own).
@@ -255,6 +260,7 @@ impl TraceRequest {
             tenant: None,
             feature: None,
             model: None,
+            stream: None,
             status: None,
             ttft_ms: None,
             e2e_ms: None,

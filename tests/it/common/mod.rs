@@ -302,3 +302,21 @@ pub fn temp_dir(prefix: &str, name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// The lines of `path` once there are at least `n` (a writer off the
+/// request path flushes when it goes quiet), or what there is after 20 s.
+pub async fn lines_when(path: &Path, n: usize) -> Vec<String> {
+    let mut lines = vec![];
+    for _ in 0..200 {
+        lines = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        if lines.len() >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lines
+}

@@ -25,6 +25,9 @@ pub struct AppState {
     pub reload: Option<ReloadHook>,
     /// Where budgets over time keep their buckets (in process by default).
     pub budget_store: Arc<crate::budget::Store>,
+    /// `--record`: where finished requests are written (single upstream;
+    /// with model tiers the router records each call instead).
+    pub recorder: Option<Arc<crate::recorder::Recorder>>,
     /// Requests being counted at once.
     pub(super) counting: Arc<tokio::sync::Semaphore>,
     /// The governed endpoints' URIs (by [`Endpoint`] index) and the
@@ -61,6 +64,7 @@ impl AppState {
             counter,
             reload: None,
             budget_store: Arc::new(crate::budget::Store::local()),
+            recorder: None,
             head_timers: ReusingTimer::default(),
         }
     }

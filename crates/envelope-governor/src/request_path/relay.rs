@@ -85,6 +85,8 @@ pub(crate) struct StreamEnd {
     pub events: u64,
     /// It ended whole (not cut by an error, a timeout or the drain).
     pub whole: bool,
+    /// When the first chunk of the body came.
+    pub first_chunk: Option<Instant>,
 }
 
 pub(crate) type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
@@ -263,6 +265,7 @@ impl Flow {
                 completion_tokens: s.completion_tokens,
                 events: self.events,
                 whole: ending == Ending::Whole,
+                first_chunk: self.first_chunk,
             });
         }
         if let Some(held) = self.held.take() {

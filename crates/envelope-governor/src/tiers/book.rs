@@ -1,12 +1,15 @@
 //! Booking: every attempt's tokens and cost, every call's outcome and
-//! latency, per feature and tier (the cost book, `/metrics` and the calls
-//! log), and the features over their allowance.
+//! latency, per feature and tier (the cost book, `/metrics` and, with
+//! `--record`, the call's trace line), and the features over their
+//! allowance.
 
 use super::check::Usage;
 use super::config::Check;
 use super::cost::Price;
 use super::metrics::labels;
 use super::state::{Live, TierRouter};
+use crate::recorder::{Draft, Finished};
+use envelope_profile::trace::TierCall;
 
 /// Whom a call is booked to.
 #[derive(Debug, Clone)]
@@ -29,7 +32,6 @@ pub struct Story {
     pub cache: &'static str,
     /// Every attempt's cost.
     pub cost: f64,
-    pub stream: bool,
 }
 
 /// How a call ended.
@@ -153,7 +155,8 @@ impl TierRouter {
         self.with_book(|b| b.feature_label(feature, named))
     }
 
-    /// Books a call's end on the tier that answered (`tier`), and logs it.
+    /// Books a call's end on the tier that answered (`tier`), and with
+    /// `--record` writes its line (`rec`).
     #[allow(clippy::too_many_arguments)]
     pub fn book_call(
         &self,
@@ -164,6 +167,7 @@ impl TierRouter {
         ms: f64,
         story: &Story,
         status: u16,
+        rec: Option<CallRecord<'_>>,
     ) {
         let name = &live.tiers[tier].name;
         let over = self.with_book(|b| {
@@ -199,26 +203,39 @@ impl TierRouter {
                 ("outcome", outcome.label()),
             ]))
             .inc();
-        let unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        self.log_call(&serde_json::json!({
-            "unix_ms": unix_ms,
-            "tenant": tag.tenant,
-            "feature": tag.feature,
-            "start_tier": live.tiers[story.start].name,
-            "tier": name,
-            "reason": story.reason,
-            "outcome": outcome.label(),
-            "status": status,
-            "stream": story.stream,
-            "fallback_from": story.fell_back_from.map(|f| live.tiers[f].name.clone()),
-            "escalated": story.escalated.map(|(c, _)| c.label()),
-            "cache": story.cache,
-            "cost": story.cost,
-            "latency_ms": ms,
-            "tiers_version": live.file.version,
-            "prices_version": live.file.prices_version,
-        }));
+        if let (Some(recorder), Some(rec)) = (self.recorder.get(), rec) {
+            let mut f = match rec.answer {
+                Some((output_tokens, ttft_ms)) => Finished {
+                    output_tokens,
+                    status,
+                    ttft_ms,
+                    e2e_ms: rec.draft.arrived.elapsed().as_secs_f64() * 1e3,
+                    tiers: None,
+                    draft: rec.draft.clone(),
+                },
+                None => rec.draft.clone().refused(status, rec.max_tokens),
+            };
+            f.tiers = Some(TierCall {
+                start_tier: live.tiers[story.start].name.clone(),
+                tier: name.clone(),
+                reason: story.reason.clone(),
+                outcome: outcome.label().into(),
+                fallback_from: story.fell_back_from.map(|f| live.tiers[f].name.clone()),
+                escalated: story.escalated.map(|(c, _)| c.label().into()),
+                cost: story.cost,
+                tiers_version: live.file.version.clone(),
+                prices_version: live.file.prices_version.clone(),
+            });
+            recorder.record(f);
+        }
     }
+}
+
+/// What `--record` writes of a call beside the book: its draft, and its
+/// answer's output tokens and TTFT (None: no answer; the client's limit
+/// is written).
+pub struct CallRecord<'a> {
+    pub draft: &'a Draft,
+    pub answer: Option<(u64, Option<f64>)>,
+    pub max_tokens: Option<u64>,
 }

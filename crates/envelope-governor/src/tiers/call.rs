@@ -4,7 +4,7 @@
 //! check the whole answer and retry once a tier up when it fails, book
 //! every attempt, and answer with headers that say what happened.
 
-use super::book::{Outcome, Story, Tag};
+use super::book::{CallRecord, Outcome, Story, Tag};
 use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
 use super::check::{check, read_answer, AssembledAnswer, Expect, Usage};
 use super::config::{Check, OutOfTime, StreamMode};
@@ -15,6 +15,7 @@ use super::state::{Live, TierRouter, Upstream};
 use crate::error::GovernError;
 use crate::front_door::FrontDoor;
 use crate::identity::Identity;
+use crate::recorder::Draft;
 use crate::refusal::RefusalCounter;
 use crate::request::Endpoint;
 use crate::request_path::{self as path, Counted, Ending, Incoming, Placed, Settlement, Wait};
@@ -23,13 +24,12 @@ use crate::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use crate::identity::{named, FEATURE_HEADER};
+pub use crate::identity::{named, CONVERSATION_HEADER, FEATURE_HEADER};
 pub const HINT_HEADER: &str = "x-envelope-tier-hint";
-pub const CONVERSATION_HEADER: &str = "x-envelope-conversation";
 pub const NO_TRUNCATION_HEADER: &str = "x-envelope-no-truncation";
 
 fn truthy(h: &HeaderMap, header: &str) -> bool {
@@ -39,21 +39,34 @@ fn truthy(h: &HeaderMap, header: &str) -> bool {
 }
 
 /// What one call is, once read.
-struct Call {
-    inc: Incoming,
+pub(super) struct Call {
+    pub(super) inc: Incoming,
     /// Its prompt counted once, by the first tier's first upstream (with
     /// its settings): a tier that counts the same way takes the count.
     /// Where that upstream could not count, the bound estimate (which
     /// routed the call) and no one who counted: each tier counts.
-    counted: Counted,
-    counted_by: Option<(Arc<AppState>, Arc<Settings>)>,
-    who: Identity,
-    tag: Tag,
-    conversation: Option<String>,
-    route: Route,
-    expect: Expect,
+    pub(super) counted: Counted,
+    pub(super) counted_by: Option<(Arc<AppState>, Arc<Settings>)>,
+    pub(super) who: Identity,
+    pub(super) tag: Tag,
+    pub(super) conversation: Option<String>,
+    /// `--record`: what the call is, for its line.
+    pub(super) draft: Option<Draft>,
+    pub(super) route: Route,
+    pub(super) expect: Expect,
     /// The whole answer is held before it goes back (so it can be checked).
-    buffered: bool,
+    pub(super) buffered: bool,
+}
+
+impl Call {
+    /// Its `--record` line's part, with `answer` (output tokens, TTFT).
+    pub(super) fn rec(&self, answer: Option<(u64, Option<f64>)>) -> Option<CallRecord<'_>> {
+        self.draft.as_ref().map(|draft| CallRecord {
+            draft,
+            answer,
+            max_tokens: self.inc.parsed.max_tokens,
+        })
+    }
 }
 
 /// One attempt on one upstream, whole.
@@ -79,7 +92,7 @@ fn never_fits(e: &GovernError) -> bool {
     )
 }
 
-fn upstream_failed(e: &GovernError) -> bool {
+pub(super) fn upstream_failed(e: &GovernError) -> bool {
     matches!(
         e,
         GovernError::UpstreamUnreachable(_) | GovernError::UpstreamTimeout(_)
@@ -385,6 +398,10 @@ async fn serve_call(
         }
     };
     signals.prompt_tokens = counted.counts.iter().copied().max().unwrap_or(0);
+    let draft = r
+        .recorder
+        .get()
+        .map(|_| Draft::of(&inc, signals.prompt_tokens, who));
     signals.max_tokens = inc.parsed.max_tokens;
     signals.hint = hint;
     signals.feature = feature.clone();
@@ -407,6 +424,7 @@ async fn serve_call(
         expect,
         route,
         conversation,
+        draft,
         tag: Tag {
             // Bounded labels for the book and /metrics; routing saw the name.
             feature: r.feature_label(live, feature.as_deref().unwrap_or(NO_FEATURE)),
@@ -462,7 +480,6 @@ async fn serve_call(
         escalation_failed: None,
         cache: if cache.is_some() { "miss" } else { "off" },
         cost: 0.0,
-        stream: call.inc.parsed.stream,
     };
     let (tier, up, placed) = match r.placement(live, &call, start).await {
         Ok(x) => x,
@@ -476,6 +493,7 @@ async fn serve_call(
                 0.0,
                 &story,
                 status,
+                call.rec(None),
             );
             return Err(e);
         }
@@ -486,7 +504,7 @@ async fn serve_call(
     }
     story.fell_back_from = fell_back_from;
     if !call.buffered {
-        return stream_through(r, live, &call, tier, up, placed, &mut story).await;
+        return super::stream::stream_through(r, live, &call, tier, up, placed, &mut story).await;
     }
     let first = r.attempt(live, &call, tier, &up, placed).await;
     story.cost += first.as_ref().map_or(0.0, |w| w.cost);
@@ -539,6 +557,7 @@ async fn serve_call(
                 0.0,
                 &story,
                 e.status().as_u16(),
+                call.rec(None),
             );
             return Err(e);
         }
@@ -557,6 +576,12 @@ async fn serve_call(
         ms,
         &story,
         w.status.as_u16(),
+        call.rec(Some((
+            w.answer.as_ref().map_or(0, |a| {
+                a.usage.map_or(a.events.saturating_sub(1), |u| u.completion)
+            }),
+            None,
+        ))),
     );
     // Only an answer that passes the call's checks is kept for repeats.
     let passes = check(
@@ -611,7 +636,7 @@ async fn serve_call(
 impl TierRouter {
     /// Placement for an escalated attempt: the tier given, waiting within
     /// the call's deadline.
-    async fn placement_up(
+    pub(super) async fn placement_up(
         &self,
         live: &Live,
         call: &Call,
@@ -643,10 +668,25 @@ fn cached_answer(r: &TierRouter, live: &Live, call: &Call, hit: Cached) -> Respo
         escalation_failed: None,
         cache: "hit",
         cost: 0.0,
-        stream: false,
     };
     let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
-    r.book_call(live, tier, &call.tag, Outcome::Cached, ms, &story, 200);
+    // The answer's own `usage` (read only when recording).
+    let output = call.draft.as_ref().map_or(0, |_| {
+        serde_json::from_slice::<serde_json::Value>(&hit.body)
+            .ok()
+            .and_then(|v| v["usage"]["completion_tokens"].as_u64())
+            .unwrap_or(0)
+    });
+    r.book_call(
+        live,
+        tier,
+        &call.tag,
+        Outcome::Cached,
+        ms,
+        &story,
+        200,
+        call.rec(Some((output, None))),
+    );
     let mut h = HeaderMap::new();
     if let Ok(v) = HeaderValue::from_str(&hit.content_type) {
         h.insert("content-type", v);
@@ -661,133 +701,4 @@ fn cached_answer(r: &TierRouter, live: &Live, call: &Call, hit: Cached) -> Respo
         cost: 0.0,
     };
     respond(live, w, &story)
-}
-
-/// A stream passed through as it comes (no escalation once bytes flow; an
-/// upstream that cannot be reached is still retried a tier up).
-async fn stream_through(
-    r: &Arc<TierRouter>,
-    live: &Arc<Live>,
-    call: &Call,
-    tier: usize,
-    up: Arc<Upstream>,
-    placed: Placed,
-    story: &mut Story,
-) -> Result<Response, GovernError> {
-    let (mut tier, mut up, mut placed) = (tier, up, placed);
-    let mut escalated = false;
-    let resp = loop {
-        let settings = up.app.gov.settings();
-        let parsed = up.body_for(&call.inc.parsed);
-        let sent = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
-        // Nothing has gone to the client yet: an upstream that failed
-        // (unreachable, or a 5xx head) may still be retried a tier up.
-        let may = !escalated
-            && !call.route.pinned
-            && tier + 1 < live.tiers.len()
-            && live.file.escalation.on.contains(&Check::UpstreamError);
-        let (failed, settlement) = match sent {
-            Ok(resp) if !(may && resp.status().is_server_error()) => break resp,
-            Ok(resp) => (
-                GovernError::UpstreamUnreachable(format!(
-                    "the upstream answered {}",
-                    resp.status().as_u16()
-                )),
-                Settlement {
-                    refused_by_upstream: true,
-                    ..Settlement::ended(Ending::Whole)
-                },
-            ),
-            Err(e) => {
-                let s = Settlement::of_failed_send(&e);
-                (e, s)
-            }
-        };
-        let u = Usage {
-            prompt: placed.plan.prompt_tokens,
-            ..Usage::default()
-        };
-        story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
-        placed.held().settle(&settlement);
-        let placed_up = if may && upstream_failed(&failed) {
-            r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
-            story.escalated = Some((Check::UpstreamError, tier));
-            escalated = true;
-            tier += 1;
-            r.placement_up(live, call, tier).await
-        } else {
-            Err(failed)
-        };
-        match placed_up {
-            Ok((u2, p2)) => {
-                up = u2;
-                placed = p2;
-            }
-            Err(e) => {
-                let status = e.status().as_u16();
-                r.book_call(
-                    live,
-                    story.start,
-                    &call.tag,
-                    Outcome::Error,
-                    0.0,
-                    story,
-                    status,
-                );
-                return Err(e);
-            }
-        }
-    };
-    let status = resp.status();
-    let mut placed_headers: path::Extra = path::placed_headers(&placed).collect();
-    let mut extra: Vec<(&'static str, String)> = vec![
-        ("x-envelope-tier", live.tiers[tier].name.clone()),
-        ("x-envelope-route-reason", story.reason.clone()),
-        ("x-envelope-tiers-version", live.file.version.clone()),
-        ("x-envelope-cache", "off".into()),
-    ];
-    if let Some(f) = story.fell_back_from {
-        extra.push(("x-envelope-fallback-from", live.tiers[f].name.clone()));
-    }
-    if let Some((c, from)) = story.escalated {
-        extra.push(("x-envelope-escalated", c.label().into()));
-        extra.push(("x-envelope-escalated-from", live.tiers[from].name.clone()));
-    }
-    let prompt = placed.plan.prompt_tokens;
-    let (r2, live2, up2) = (r.clone(), live.clone(), up.clone());
-    let tag = call.tag.clone();
-    let mut story = story.clone();
-    let arrived = call.inc.arrived;
-    let on_end: path::OnEnd = Box::new(move |end: path::StreamEnd| {
-        let u = Usage {
-            prompt: end.prompt_tokens.unwrap_or(prompt),
-            completion: end
-                .completion_tokens
-                .unwrap_or_else(|| end.events.saturating_sub(1)),
-            cached: 0,
-        };
-        story.cost += r2.book_attempt(&live2, tier, &tag, &up2.price, u);
-        let outcome = match (end.whole && status.is_success(), story.escalated) {
-            (false, _) => Outcome::Error,
-            (true, Some(_)) => Outcome::Escalated,
-            (true, None) => Outcome::Ok,
-        };
-        let ms = arrived.elapsed().as_secs_f64() * 1000.0;
-        r2.book_call(&live2, tier, &tag, outcome, ms, &story, status.as_u16());
-    });
-    let sent_at = Instant::now();
-    let end = call.inc.end;
-    Ok(path::stream_back_with(
-        &up.app,
-        resp,
-        Some(placed.held()),
-        Some(sent_at),
-        end,
-        {
-            placed_headers.extend(path::named(extra));
-            placed_headers
-        },
-        Some(on_end),
-    )
-    .into_response())
 }

@@ -38,8 +38,7 @@ pub struct TiersFile {
     pub features: BTreeMap<String, FeatureSpec>,
     #[serde(default)]
     pub shadow: ShadowSpec,
-    /// Every call as a JSON line (feature, tenant, tiers, tokens, cost,
-    /// latency), relative to this file.
+    /// Replaced by `envelope govern --record FILE`; kept only to say so.
     #[serde(default)]
     pub calls_log: Option<PathBuf>,
 }
@@ -269,8 +268,10 @@ impl TiersFile {
                 }
             }
         }
-        if let Some(l) = &f.calls_log {
-            f.calls_log = Some(base.join(l));
+        if f.calls_log.is_some() {
+            return Err(format!(
+                "{shown}: calls_log is replaced by `envelope govern --record FILE`: one line per call in the trace format, the routing under `tiers` (docs/govern.md#recording-traffic)"
+            ));
         }
         Ok(f)
     }

@@ -48,6 +48,9 @@ pub struct TierMetrics {
     pub version: Family<Labels, Gauge>,
     /// {outcome}: reloads and rollbacks of the tiers file.
     pub reloads: Family<Labels, Counter>,
+    /// `--record`: calls written, and calls dropped with the writer behind.
+    pub records_written: Counter,
+    pub records_dropped: Counter,
 }
 
 impl TierMetrics {
@@ -67,6 +70,8 @@ impl TierMetrics {
             over_budget: Family::default(),
             version: Family::default(),
             reloads: Family::default(),
+            records_written: Counter::default(),
+            records_dropped: Counter::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -133,6 +138,16 @@ impl TierMetrics {
             "envelope_tier_reloads",
             "Reloads and rollbacks of the tiers file, by outcome",
             m.reloads.clone(),
+        );
+        r.register(
+            "envelope_tier_records_written",
+            "Calls written by --record",
+            m.records_written.clone(),
+        );
+        r.register(
+            "envelope_tier_records_dropped",
+            "Calls --record dropped because its writer was behind",
+            m.records_dropped.clone(),
         );
         m
     }

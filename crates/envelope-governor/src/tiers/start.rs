@@ -429,6 +429,14 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
     let router = TierRouter::new(path, args, live);
     tracing::info!("model tiers: version {}", router.live().file.version);
+    let recorder = crate::start::start_recorder(
+        &router.args,
+        &router.metrics.records_written,
+        &router.metrics.records_dropped,
+    )?;
+    if let Some(rec) = &recorder {
+        let _ = router.recorder.set(rec.clone());
+    }
     {
         let r = router.clone();
         tokio::spawn(async move {
@@ -485,5 +493,8 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
         tracing::info!("drained");
     };
     crate::proxy::serve_router(listener, app(router.clone()), router, limits, shutdown).await?;
+    if let Some(rec) = recorder {
+        rec.flush(Duration::from_secs(5));
+    }
     Ok(())
 }

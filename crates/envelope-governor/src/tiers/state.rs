@@ -1,7 +1,7 @@
 //! The router's state: one version of the tiers file running ([`Live`]:
 //! each tier's upstreams with their governors and prices), the versions
 //! before it (for rollback), the cost book, the answer cache, the
-//! conversations that escalated, shadow agreement and the calls log.
+//! conversations that escalated, shadow agreement and the recorder.
 
 use super::cache::AnswerCache;
 use super::config::{TiersFile, UpstreamSpec};
@@ -11,7 +11,6 @@ use crate::config::GovernArgs;
 use crate::request::ParsedRequest;
 use crate::AppState;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -136,7 +135,8 @@ pub struct TierRouter {
     /// Shadow calls in flight: (the bound, its permits).
     shadow_slots: RwLock<(usize, Arc<tokio::sync::Semaphore>)>,
     pub metrics: TierMetrics,
-    calls_log: Mutex<Option<(PathBuf, std::io::BufWriter<std::fs::File>)>>,
+    /// `--record`: every call's line (set once at start).
+    pub recorder: std::sync::OnceLock<Arc<crate::recorder::Recorder>>,
     draining: AtomicBool,
     /// Held by a reload or a rollback: one change at a time.
     pub changes: tokio::sync::Mutex<()>,
@@ -166,7 +166,7 @@ impl TierRouter {
             shadow: Mutex::new(BTreeMap::new()),
             shadow_slots: RwLock::new((0, Arc::new(tokio::sync::Semaphore::new(0)))),
             metrics: TierMetrics::new(),
-            calls_log: Mutex::new(None),
+            recorder: std::sync::OnceLock::new(),
             draining: AtomicBool::new(false),
             changes: tokio::sync::Mutex::new(()),
         };
@@ -186,7 +186,7 @@ impl TierRouter {
     }
 
     /// Puts `live` in force: the cache follows its settings (a new one when
-    /// they change), the calls log its path, the version gauge its label.
+    /// they change), the version gauge its label.
     fn install(&self, live: Arc<Live>) {
         let old = self.live();
         let c = &live.file.cache;
@@ -198,25 +198,6 @@ impl TierRouter {
             *self.cache.write().unwrap_or_else(|e| e.into_inner()) = c
                 .enabled
                 .then(|| Arc::new(AnswerCache::new(c.max_bytes, Duration::from_secs(c.ttl_s))));
-        }
-        {
-            let mut log = lock(&self.calls_log);
-            let want = live.file.calls_log.clone();
-            if log.as_ref().map(|(p, _)| p) != want.as_ref() {
-                *log = want.and_then(|p| {
-                    match std::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&p)
-                    {
-                        Ok(f) => Some((p, std::io::BufWriter::new(f))),
-                        Err(e) => {
-                            tracing::error!("calls_log {}: {e}; calls are not logged", p.display());
-                            None
-                        }
-                    }
-                });
-            }
         }
         {
             let n = live.file.shadow.max_in_flight.max(1);
@@ -272,15 +253,6 @@ impl TierRouter {
             .iter()
             .map(|l| l.file.version.clone())
             .collect()
-    }
-
-    pub fn log_call(&self, line: &serde_json::Value) {
-        let mut log = lock(&self.calls_log);
-        if let Some((p, w)) = log.as_mut() {
-            if let Err(e) = writeln!(w, "{line}").and_then(|_| w.flush()) {
-                tracing::warn!("calls_log {}: {e}", p.display());
-            }
-        }
     }
 
     pub fn start_draining(&self) {

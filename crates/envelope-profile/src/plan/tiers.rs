@@ -1,49 +1,37 @@
 //! Capacity per model tier: a workload split by the share of its model
 //! requests each tier serves, so each tier is sized with its own profile.
 //! The mix comes from the workload's classes (`tiers = { small = 0.8,
-//! large = 0.2 }`) or from the governor's calls log, where an escalated
+//! large = 0.2 }`) or from a trace the governor recorded, where an escalated
 //! call is an attempt on the tier it started on and on the one that
 //! answered. Pure functions.
 
+use crate::trace::Trace;
 use crate::workload::Workload;
 use std::collections::BTreeMap;
 
-/// Attempts per call on each tier, from the governor's calls log (JSON
-/// lines with `tier`, `start_tier`, `escalated`, `outcome`). Cached
-/// answers take no attempt; a refused call (`outcome` `error` with no
-/// answer) is an attempt on the tier it started on.
+/// Attempts per call on each tier, from a trace the governor recorded
+/// with model tiers (`envelope govern --record`: each call's `tiers`).
+/// Cached answers take no attempt; an escalated call is an attempt on the
+/// tier it started on and on the one that answered; a refused call is an
+/// attempt on the tier it started on. Calls without `tiers` are skipped.
 ///
 /// # Errors
-/// A line that is not JSON, or no calls at all.
-pub fn mix_from_calls_log(text: &str) -> Result<BTreeMap<String, f64>, String> {
+/// No call with `tiers` in the trace.
+pub fn mix_from_trace(trace: &Trace) -> Result<BTreeMap<String, f64>, String> {
     let mut attempts: BTreeMap<String, f64> = BTreeMap::new();
     let mut calls = 0u64;
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| format!("line {}: {e}", i + 1))?;
-        let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
-        let (Some(tier), Some(start)) = (s("tier"), s("start_tier")) else {
-            return Err(format!(
-                "line {}: `tier` and `start_tier` are required",
-                i + 1
-            ));
-        };
+    for t in trace.requests.iter().filter_map(|r| r.tiers.as_ref()) {
         calls += 1;
-        if s("outcome").as_deref() == Some("cached") {
+        if t.outcome == "cached" {
             continue;
         }
-        *attempts.entry(tier.clone()).or_default() += 1.0;
-        let escalated = v.get("escalated").is_some_and(|e| !e.is_null());
-        if escalated && start != tier {
-            *attempts.entry(start).or_default() += 1.0;
+        *attempts.entry(t.tier.clone()).or_default() += 1.0;
+        if t.escalated.is_some() && t.start_tier != t.tier {
+            *attempts.entry(t.start_tier.clone()).or_default() += 1.0;
         }
     }
     if calls == 0 {
-        return Err("no calls in the log".into());
+        return Err("no call in the trace has `tiers` (record it with `envelope govern --tiers FILE --record FILE`)".into());
     }
     Ok(attempts
         .into_iter()
@@ -113,21 +101,38 @@ output_tokens_p95 = 200
 tiers = { large = 1.0 }
 "#;
 
+    /// A recorded call's line with its routing.
+    fn routed(tier: &str, start: &str, escalated: Option<&str>, outcome: &str) -> String {
+        let esc = escalated.map_or(String::new(), |e| format!(r#","escalated":"{e}""#));
+        format!(
+            r#"{{"t_s":0,"input_tokens":10,"output_tokens":2,"tiers":{{"start_tier":"{start}","tier":"{tier}","reason":"default","outcome":"{outcome}","cost":0.0,"tiers_version":"v1"{esc}}}}}"#
+        )
+    }
+
     #[test]
-    fn the_log_gives_attempts_per_call() {
+    fn the_trace_gives_attempts_per_call() {
+        use crate::trace::TraceFormat;
         let log = [
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"ok"}"#,
-            r#"{"tier":"small","start_tier":"small","escalated":null,"outcome":"cached"}"#,
-            r#"{"tier":"large","start_tier":"small","escalated":"invalid_json","outcome":"escalated"}"#,
+            routed("small", "small", None, "ok"),
+            routed("small", "small", None, "ok"),
+            routed("small", "small", None, "cached"),
+            routed("large", "small", Some("invalid_json"), "escalated"),
+            // Not routed across tiers: skipped.
+            r#"{"t_s":1,"input_tokens":10,"output_tokens":2}"#.to_string(),
         ]
         .join("\n");
-        let m = mix_from_calls_log(&log).unwrap();
+        let t = Trace::parse("t", &log, TraceFormat::Envelope).unwrap();
+        let m = mix_from_trace(&t).unwrap();
         // small: 2 answered + 1 escalated away = 3 of 4; large: 1 of 4.
         assert_eq!(m["small"], 0.75);
         assert_eq!(m["large"], 0.25);
-        assert!(mix_from_calls_log("").is_err());
-        assert!(mix_from_calls_log("{").unwrap_err().starts_with("line 1"));
+        let plain = Trace::parse(
+            "t",
+            r#"{"t_s":1,"input_tokens":10,"output_tokens":2}"#,
+            TraceFormat::Envelope,
+        )
+        .unwrap();
+        assert!(mix_from_trace(&plain).unwrap_err().contains("--record"));
     }
 
     #[test]
