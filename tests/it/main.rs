@@ -15,5 +15,6 @@ mod govern_tiers;
 mod plan;
 mod report;
 mod serve;
+mod sweep_scaled;
 mod sweep_targets;
 mod telemetry;

@@ -9,7 +9,7 @@
 //! latencies.
 
 use crate::config::AgentLoad;
-use crate::load::{open_schedule, ProbeRun};
+use crate::load::{open_schedule, ProbeRun, ScheduledCall, StopWhen};
 use crate::record::{Driver, LoadRequest, RequestRecord};
 use envelope_profile::workload::TaskClass;
 use envelope_profile::Percentiles;
@@ -147,28 +147,33 @@ pub fn plan_runs(a: &AgentLoad, scale: f64, vocab: usize, seed: u64) -> Vec<Plan
 }
 
 /// Sends `runs` on their schedule (each run's calls in order, on its own
-/// thread); the records carry their class and run.
+/// thread); the records carry their class and run. Stopped once
+/// `stop_when` says so.
 pub fn run_probe(
     driver: &Arc<dyn Driver>,
     a: &AgentLoad,
     runs: Vec<PlannedRun>,
     late_after_s: f64,
+    stop_when: Option<StopWhen>,
 ) -> ProbeRun {
     let names: Vec<String> = a.workload.classes.iter().map(|c| c.name.clone()).collect();
     let sessions = runs
         .into_iter()
         .map(|r| {
             let class = names[r.class].clone();
-            (
-                r.at_s,
-                r.calls
-                    .into_iter()
-                    .map(|c| (class.clone(), c.request))
-                    .collect::<Vec<_>>(),
-            )
+            r.calls
+                .into_iter()
+                .map(|c| ScheduledCall {
+                    // Each call after the first as soon as the one before ends.
+                    due_s: r.at_s,
+                    class: Some(class.clone()),
+                    tenant: None,
+                    request: c.request,
+                })
+                .collect()
         })
         .collect();
-    open_schedule(driver, sessions, late_after_s)
+    open_schedule(driver, sessions, late_after_s, stop_when)
 }
 
 /// Overload at `from` for `a.duration_s`, then `to` for `a.recovery_s`
@@ -198,7 +203,7 @@ pub fn overload_then(
             }),
     );
     runs.sort_by(|x, y| x.at_s.total_cmp(&y.at_s));
-    (run_probe(driver, a, runs, late_after_s), switch_s)
+    (run_probe(driver, a, runs, late_after_s, None), switch_s)
 }
 
 /// Requests a tail must hold for the SLOs to be judged on it.
@@ -283,53 +288,73 @@ pub fn knee(points: &[(f64, f64)]) -> Option<f64> {
         .map(|w| w[0].0)
 }
 
-/// Per-class figures of a probe's records.
-pub fn class_summaries(a: &AgentLoad, run: &ProbeRun) -> BTreeMap<String, ClassSummary> {
-    let mut out = BTreeMap::new();
-    for c in &a.workload.classes {
-        let recs: Vec<&RequestRecord> = run
-            .records
-            .iter()
-            .filter(|r| r.class.as_deref() == Some(c.name.as_str()))
-            .collect();
-        let ok: Vec<&&RequestRecord> = recs.iter().filter(|r| r.error.is_none()).collect();
-        // A run's span: first call sent to last call answered.
-        let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-        for r in &recs {
-            let e = spans.entry(r.run).or_insert((f64::MAX, 0.0));
-            e.0 = e.0.min(r.start_s);
-            e.1 = e.1.max(r.start_s + r.e2e_s);
-        }
-        let ms = |v: f64| v * 1e3;
-        out.insert(
-            c.name.clone(),
-            ClassSummary {
-                runs: spans.len() as u64,
-                requests: recs.len() as u64,
-                errors: (recs.len() - ok.len()) as u64,
-                input_tokens_mean: if recs.is_empty() {
-                    0.0
-                } else {
-                    recs.iter().map(|r| r.input_tokens as f64).sum::<f64>() / recs.len() as f64
-                },
-                ttft_ms: Percentiles::of(
-                    &ok.iter()
-                        .filter_map(|r| r.ttft_s.map(ms))
-                        .collect::<Vec<_>>(),
-                ),
-                itl_ms: Percentiles::of(
-                    &ok.iter()
-                        .flat_map(|r| r.itl_s.iter().map(|v| ms(*v)))
-                        .collect::<Vec<_>>(),
-                ),
-                e2e_ms: Percentiles::of(&ok.iter().map(|r| ms(r.e2e_s)).collect::<Vec<_>>()),
-                run_e2e_ms: Percentiles::of(
-                    &spans.values().map(|(a, b)| ms(b - a)).collect::<Vec<_>>(),
-                ),
-            },
-        );
+/// Figures of some of a probe's records (a class's, a tenant's).
+fn summary_of(recs: &[&RequestRecord]) -> ClassSummary {
+    let ok: Vec<&&RequestRecord> = recs.iter().filter(|r| r.error.is_none()).collect();
+    // A run's span: first call sent to last call answered.
+    let mut spans: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
+    for r in recs {
+        let e = spans.entry(r.run).or_insert((f64::MAX, 0.0));
+        e.0 = e.0.min(r.start_s);
+        e.1 = e.1.max(r.start_s + r.e2e_s);
     }
-    out
+    let ms = |v: f64| v * 1e3;
+    ClassSummary {
+        runs: spans.len() as u64,
+        requests: recs.len() as u64,
+        errors: (recs.len() - ok.len()) as u64,
+        input_tokens_mean: if recs.is_empty() {
+            0.0
+        } else {
+            recs.iter().map(|r| r.input_tokens as f64).sum::<f64>() / recs.len() as f64
+        },
+        ttft_ms: Percentiles::of(
+            &ok.iter()
+                .filter_map(|r| r.ttft_s.map(ms))
+                .collect::<Vec<_>>(),
+        ),
+        itl_ms: Percentiles::of(
+            &ok.iter()
+                .flat_map(|r| r.itl_s.iter().map(|v| ms(*v)))
+                .collect::<Vec<_>>(),
+        ),
+        e2e_ms: Percentiles::of(&ok.iter().map(|r| ms(r.e2e_s)).collect::<Vec<_>>()),
+        run_e2e_ms: Percentiles::of(&spans.values().map(|(a, b)| ms(b - a)).collect::<Vec<_>>()),
+    }
+}
+
+/// Per-class figures of a probe's records (every class of the workload,
+/// those with no request too).
+pub fn class_summaries(a: &AgentLoad, run: &ProbeRun) -> BTreeMap<String, ClassSummary> {
+    a.workload
+        .classes
+        .iter()
+        .map(|c| {
+            let recs: Vec<&RequestRecord> = run
+                .records
+                .iter()
+                .filter(|r| r.class.as_deref() == Some(c.name.as_str()))
+                .collect();
+            (c.name.clone(), summary_of(&recs))
+        })
+        .collect()
+}
+
+/// Figures of `records` grouped by `key` (records without one left out).
+pub fn group_summaries<'a>(
+    records: &'a [RequestRecord],
+    key: impl Fn(&'a RequestRecord) -> Option<&'a str>,
+) -> BTreeMap<String, ClassSummary> {
+    let mut groups: BTreeMap<&str, Vec<&RequestRecord>> = BTreeMap::new();
+    for r in records {
+        if let Some(k) = key(r) {
+            groups.entry(k).or_default().push(r);
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(k, recs)| (k.to_string(), summary_of(&recs)))
+        .collect()
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 mod agent_load;
 pub mod command;
 mod prompts;
+mod trace;
 
 pub use agent_load::{AgentLoad, Arrival};
 use envelope_engine::{BatchPolicy, KvDtype, Precision};
@@ -12,6 +13,7 @@ pub use prompts::Prompts;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+pub use trace::TraceConfig;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{file}: {message}")]
@@ -213,9 +215,12 @@ pub struct LoadConfig {
     pub collapse_probes: u32,
     #[serde(default = "half")]
     pub collapse_fraction: f64,
-    /// workload: seconds at the safe scale after the overload (default
-    /// twice `duration_s`).
+    /// workload and trace: seconds at the safe scale after the overload
+    /// (default twice `duration_s`, or a trace probe's length).
     pub recovery_s: Option<f64>,
+    /// `[load.trace]`: a recorded trace replayed after the buckets, its
+    /// safe time-scale factor searched (see `envelope_harness::trace_load`).
+    pub trace: Option<TraceConfig>,
 }
 
 fn three_u32() -> u32 {
@@ -292,6 +297,7 @@ impl Default for LoadConfig {
             collapse_probes: 3,
             collapse_fraction: 0.5,
             recovery_s: None,
+            trace: None,
         }
     }
 }
@@ -430,6 +436,8 @@ pub struct BenchConfig {
     pub load: LoadConfig,
     /// `load.workload`, read and validated.
     pub agents: Option<AgentLoad>,
+    /// `[load.trace]`, the trace read and the settings validated.
+    pub trace: Option<crate::trace_load::TraceLoad>,
     pub prompts: Prompts,
     pub quality: Option<QualitySettings>,
     pub slo: Slo,
@@ -742,6 +750,7 @@ impl BenchConfig {
             concurrency_max: m.concurrency_max,
             load: raw.load.clone(),
             agents: AgentLoad::from_load(&raw.load).map_err(err)?,
+            trace: crate::trace_load::TraceLoad::from_load(&raw.load).map_err(err)?,
             prompts,
             quality,
             slo: raw.slo,

@@ -17,6 +17,7 @@ pub mod record;
 pub mod replay;
 pub mod report;
 pub mod sweep;
+pub mod trace_load;
 pub mod truth;
 
 pub use config::{BenchConfig, ConfigError};

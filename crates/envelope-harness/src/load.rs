@@ -441,48 +441,77 @@ pub fn open_loop(
     run
 }
 
-/// Sessions on a schedule: each `(at_s, calls)` starts `at_s` seconds
-/// into the probe on its own thread and sends its calls one after another
-/// (a call waits for the previous answer, as an agent does). A session that
-/// starts over `late_after_s` behind its schedule is late.
+/// One call of a scheduled session.
+#[derive(Debug, Clone)]
+pub struct ScheduledCall {
+    /// Seconds into the probe it is due; a call after the first of its
+    /// session is sent at the later of this and its predecessor's end.
+    pub due_s: f64,
+    pub class: Option<String>,
+    pub tenant: Option<String>,
+    pub request: LoadRequest,
+}
+
+/// Sessions on a schedule: each starts at its first call's due time on a
+/// thread of its own and sends its calls one after another (a call waits
+/// for the previous answer, as an agent does), each at the later of its
+/// due time and its predecessor's end. A call sent over `late_after_s`
+/// behind that is late; the run's `late_fraction` is over calls. Once
+/// `stop_when` says so, no call is sent (those in flight finish).
 pub fn open_schedule(
     driver: &Arc<dyn Driver>,
-    sessions: Vec<(f64, Vec<(String, LoadRequest)>)>,
+    mut sessions: Vec<Vec<ScheduledCall>>,
     late_after_s: f64,
+    stop_when: Option<StopWhen>,
 ) -> ProbeRun {
+    sessions.retain(|s| !s.is_empty());
+    sessions.sort_by(|a, b| a[0].due_s.total_cmp(&b[0].due_s));
+    let collected = Collected::new(stop_when);
     let in_flight = Arc::new(InFlight::default());
+    let (late, sent) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
     let cpu_before = client_cpu(&**driver);
-    let n = sessions.len();
     let start = Instant::now();
     let monitor = Monitor::start(driver, &in_flight, start);
-    let (mut late, mut threads) = (0u32, vec![]);
-    for (i, (at_s, calls)) in sessions.into_iter().enumerate() {
-        let now_s = start.elapsed().as_secs_f64();
-        if at_s > now_s {
-            std::thread::sleep(Duration::from_secs_f64(at_s - now_s));
-        } else if now_s - at_s > late_after_s {
-            late += 1;
+    let mut threads = vec![];
+    for (i, calls) in sessions.into_iter().enumerate() {
+        if collected.stopped() {
+            break;
         }
-        let (d, in_flight) = (driver.clone(), in_flight.clone());
+        let now_s = start.elapsed().as_secs_f64();
+        if calls[0].due_s > now_s {
+            std::thread::sleep(Duration::from_secs_f64(calls[0].due_s - now_s));
+        }
+        let (d, in_flight, collected) = (driver.clone(), in_flight.clone(), collected.clone());
+        let (late, sent) = (late.clone(), sent.clone());
         threads.push(std::thread::spawn(move || {
-            calls
-                .into_iter()
-                .map(|(class, req)| {
-                    let mut r = timed(&*d, &req, i as u32, start, &in_flight);
-                    r.class = Some(class);
-                    r.run = i as u32;
-                    r
-                })
-                .collect::<Vec<_>>()
+            let mut free_s = 0f64;
+            for call in calls {
+                if collected.stopped() {
+                    return;
+                }
+                let due_s = call.due_s.max(free_s);
+                let now_s = start.elapsed().as_secs_f64();
+                if due_s > now_s {
+                    std::thread::sleep(Duration::from_secs_f64(due_s - now_s));
+                } else if now_s - due_s > late_after_s {
+                    late.fetch_add(1, Ordering::Relaxed);
+                }
+                sent.fetch_add(1, Ordering::Relaxed);
+                let mut r = timed(&*d, &call.request, i as u32, start, &in_flight);
+                r.class = call.class;
+                r.tenant = call.tenant;
+                r.run = i as u32;
+                free_s = r.start_s + r.e2e_s;
+                collected.push(r);
+            }
         }));
     }
-    let records = threads
-        .into_iter()
-        .filter_map(|t| t.join().ok())
-        .flatten()
-        .collect();
-    let mut run = finish(records, start, &in_flight, cpu_before);
-    run.late_fraction = late as f64 / n.max(1) as f64;
+    for t in threads {
+        let _ = t.join();
+    }
+    let mut run = finish(collected.take(), start, &in_flight, cpu_before);
+    run.late_fraction =
+        late.load(Ordering::Relaxed) as f64 / sent.load(Ordering::Relaxed).max(1) as f64;
     monitor.finish(&**driver, &mut run);
     run
 }

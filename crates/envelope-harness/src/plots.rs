@@ -264,12 +264,46 @@ pub fn config_svg(c: &ConfigResult, slo: &Slo) -> Result<String, String> {
     Ok(svg)
 }
 
-/// The saturation curve of a configuration's workload search: goodput
-/// (requests within the SLOs per second) against the scale, with the safe
-/// scale, the knee and the collapse marked, and each class's e2e p95; the
-/// recovery time in the title.
-pub fn workload_svg(c: &ConfigResult, slo: &Slo) -> Result<Option<String>, String> {
-    let Some(w) = &c.workload else {
+/// A scaled load searched after the buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scaled {
+    /// `load.workload`: scale x the workload's rates.
+    Workload,
+    /// `[load.trace]`: the trace's arrivals, time-scaled.
+    Trace,
+}
+
+impl Scaled {
+    pub fn of(self, c: &ConfigResult) -> Option<&envelope_profile::WorkloadResult> {
+        match self {
+            Scaled::Workload => c.workload.as_ref(),
+            Scaled::Trace => c.trace.as_ref(),
+        }
+    }
+
+    /// `workload` or `trace`.
+    pub fn word(self) -> &'static str {
+        match self {
+            Scaled::Workload => "workload",
+            Scaled::Trace => "trace",
+        }
+    }
+
+    /// What a scale of 2 means.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Scaled::Workload => "x the workload's rates",
+            Scaled::Trace => "x the trace's arrival rate",
+        }
+    }
+}
+
+/// The saturation curve of a configuration's workload or trace search:
+/// goodput (requests within the SLOs per second) against the scale, with
+/// the safe scale, the knee and the collapse marked, and each class's e2e
+/// p95; the recovery time in the title.
+pub fn workload_svg(c: &ConfigResult, slo: &Slo, which: Scaled) -> Result<Option<String>, String> {
+    let Some(w) = which.of(c) else {
         return Ok(None);
     };
     let mut svg = String::new();
@@ -293,8 +327,10 @@ pub fn workload_svg(c: &ConfigResult, slo: &Slo) -> Result<Option<String>, Strin
         let root = root
             .titled(
                 &format!(
-                    "{} workload `{}`: dashed = safe, triangle = knee, cross = collapse{recovery}",
-                    c.name, w.name
+                    "{} {} `{}`: dashed = safe, triangle = knee, cross = collapse{recovery}",
+                    c.name,
+                    which.word(),
+                    w.name
                 ),
                 ("sans-serif", 15),
             )
@@ -323,7 +359,7 @@ pub fn workload_svg(c: &ConfigResult, slo: &Slo) -> Result<Option<String>, Strin
             .map_err(err)?;
         chart
             .configure_mesh()
-            .x_desc("scale (x the workload's rates)")
+            .x_desc(format!("scale ({})", which.unit()))
             .y_desc("requests within SLOs / s")
             .draw()
             .map_err(err)?;
@@ -432,9 +468,9 @@ pub fn workload_svg(c: &ConfigResult, slo: &Slo) -> Result<Option<String>, Strin
     Ok(Some(svg))
 }
 
-/// The file name of a configuration's workload plot.
-pub fn workload_file_name(c: &ConfigResult) -> String {
-    file_name(c).replace(".svg", "-workload.svg")
+/// The file name of a configuration's workload (or trace) plot.
+pub fn workload_file_name(c: &ConfigResult, which: Scaled) -> String {
+    file_name(c).replace(".svg", &format!("-{}.svg", which.word()))
 }
 
 /// The file name of a configuration's plot.
@@ -534,6 +570,7 @@ mod tests {
             server_checks: None,
             time_to_ready_s: None,
             workload: None,
+            trace: None,
         };
         for b in &mut c.buckets {
             b.repeats = (0..repeats)

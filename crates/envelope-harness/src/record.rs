@@ -21,6 +21,8 @@ pub struct RequestRecord {
     /// Agent-shaped load: the task class and the run (session) of the call.
     pub class: Option<String>,
     pub run: u32,
+    /// A replayed trace's tenant of the call.
+    pub tenant: Option<String>,
     /// `reason: detail` (see [`crate::truth`]); None for a whole answer.
     pub error: Option<String>,
     /// A refusal (429 with Retry-After; the error's reason is `refused`):

@@ -125,7 +125,7 @@ pub fn validate(
     };
     let driver: Arc<dyn Driver> = Arc::new(driver);
     let runs = plan_runs(&load, 1.0, s.vocab_size, s.seed);
-    let run = run_probe(&driver, &load, runs, 0.5);
+    let run = run_probe(&driver, &load, runs, 0.5, None);
     let summary = summarise(&run, run.max_in_flight, slo, &LoadConfig::default());
     let window = s.seconds;
     let served = run.records.iter().filter(|r| r.error.is_none()).count();

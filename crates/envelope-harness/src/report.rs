@@ -190,26 +190,46 @@ pub fn markdown(p: &Profile) -> String {
     s
 }
 
-/// Agent-shaped load (`load.workload`): the safe scale per configuration
-/// and every probe's per-class latencies.
+/// Agent-shaped load (`load.workload`) and replayed traces
+/// (`[load.trace]`): the safe scale per configuration and every probe's
+/// per-class (and per-tenant) latencies.
 fn workload_section(p: &Profile) -> String {
+    use crate::plots::Scaled;
     let mut s = String::new();
-    for c in &p.configs {
-        let Some(w) = &c.workload else { continue };
+    for (c, which) in p
+        .configs
+        .iter()
+        .flat_map(|c| [(c, Scaled::Workload), (c, Scaled::Trace)])
+    {
+        let Some(w) = which.of(c) else { continue };
+        let title = match which {
+            Scaled::Workload => format!(
+                "Workload `{}` on `{}` ({} arrivals)",
+                w.name, c.name, w.arrival
+            ),
+            Scaled::Trace => format!("Trace `{}` replayed on `{}`", w.name, c.name),
+        };
+        let upper = w.feasible_upper_scale.map_or(String::new(), |u| {
+            format!(" [{:.2}-{u:.2}]", w.feasible_scale)
+        });
         s += &format!(
-            "\n## Workload `{}` on `{}` ({} arrivals)\n\nSafe scale **{:.2}** x the workload's rates (feasible {:.2}, binding `{}`). {}\n\n![saturation]({})\n\n| scale | requests | errors | goodput req/s | class | runs | calls | mean input | TTFT p95 ms | e2e p95 ms | run e2e p95 ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
-            w.name,
-            c.name,
-            w.arrival,
+            "\n## {title}\n\nSafe scale **{:.2}** {} (feasible {:.2}{upper}, binding `{}`). {}\n\n![saturation]({})\n\n| scale | requests | errors | goodput req/s | class or tenant | runs | calls | mean input | TTFT p95 ms | e2e p95 ms | run e2e p95 ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
             w.safe_scale,
+            which.unit(),
             w.feasible_scale,
             w.binding_constraint.as_str(),
             saturation_line(w),
-            crate::plots::workload_file_name(c)
+            crate::plots::workload_file_name(c, which)
         );
         for probe in &w.probes {
             let sm = &probe.summary;
-            for (i, (class, cs)) in probe.classes.iter().enumerate() {
+            let groups = probe.classes.iter().map(|(k, v)| (k.clone(), v)).chain(
+                probe
+                    .tenants
+                    .iter()
+                    .map(|(k, v)| (format!("tenant {k}"), v)),
+            );
+            for (i, (class, cs)) in groups.enumerate() {
                 let head = if i == 0 {
                     let mark = if sm.breaches.is_empty() {
                         ""
@@ -353,8 +373,12 @@ pub fn write_all(p: &Profile, dir: &std::path::Path) -> std::io::Result<()> {
     for c in p.configs.iter().filter(|c| !c.buckets.is_empty()) {
         let svg = crate::plots::config_svg(c, &p.slo).map_err(std::io::Error::other)?;
         std::fs::write(dir.join(crate::plots::file_name(c)), svg)?;
-        if let Some(svg) = crate::plots::workload_svg(c, &p.slo).map_err(std::io::Error::other)? {
-            std::fs::write(dir.join(crate::plots::workload_file_name(c)), svg)?;
+        for which in [crate::plots::Scaled::Workload, crate::plots::Scaled::Trace] {
+            if let Some(svg) =
+                crate::plots::workload_svg(c, &p.slo, which).map_err(std::io::Error::other)?
+            {
+                std::fs::write(dir.join(crate::plots::workload_file_name(c, which)), svg)?;
+            }
         }
     }
     Ok(())

@@ -2,13 +2,12 @@
 //! concurrency (closed loop) or arrival rate (Poisson); an OOM, a crash or a
 //! failed load is recorded and the sweep goes on.
 
-use crate::agents;
-use crate::config::{AgentLoad, BenchConfig, MatrixPoint};
+use crate::config::{BenchConfig, MatrixPoint};
 use crate::load::{closed_loop, open_loop, Arrivals, ProbeRun};
 use crate::record::RequestRecord;
 use envelope_profile::{
-    Bracket, ConfigResult, Constraint, LevelSearch, LevelStep, LevelVerdict, Limits, MemoryReport,
-    ProbeSummary, Profile, Recovery, Step, WorkloadProbe, WorkloadResult, PROFILE_SCHEMA,
+    ConfigResult, Constraint, LevelSearch, LevelStep, LevelVerdict, Limits, MemoryReport,
+    ProbeSummary, Profile, PROFILE_SCHEMA,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -34,11 +33,12 @@ pub enum SweepEvent<'a> {
 }
 
 mod rows;
+mod scaled;
 mod session;
 mod summary;
 use rows::push_rows;
 pub use rows::{ProbeRow, RequestRow, TelemetryRow};
-use session::{open, Session};
+use session::open;
 pub use summary::{
     breaches, bucket_result, decision, knee, kv_tokens_limit, level_verdict, merge_repeats,
     requests_to_decide, requests_to_hold, slo_checks, stop_when_decided, summarise,
@@ -88,6 +88,7 @@ fn run_point(
         server_checks: None,
         time_to_ready_s: None,
         workload: None,
+        trace: None,
     };
     let mut attempt = 0;
     let mut session = match open(cfg, point, ctx.log_dir, attempt) {
@@ -311,149 +312,13 @@ fn run_point(
         }
     }
     if let (Some(a), None) = (&cfg.agents, &result.error) {
-        result.workload = Some(search_workload(ctx, &mut session, a, &name, progress));
+        result.workload = Some(scaled::search_scaled(ctx, &mut session, a, &name, progress));
+    }
+    if let (Some(t), None) = (&cfg.trace, &result.error) {
+        result.trace = Some(scaled::search_scaled(ctx, &mut session, t, &name, progress));
     }
     session.close();
     result
-}
-
-/// The largest scale of `load.workload` that meets every SLO, on the
-/// configuration's open session: exponential steps to the first breach,
-/// then bisection, as for a bucket; every request of a probe is judged
-/// together, and per-class latencies are kept.
-fn search_workload(
-    ctx: &mut Ctx,
-    session: &mut Session,
-    a: &AgentLoad,
-    name: &str,
-    progress: &mut dyn FnMut(SweepEvent),
-) -> WorkloadResult {
-    let cfg = ctx.cfg;
-    let label = format!("workload:{}", a.workload.name);
-    let (lo, hi) = a.ladder();
-    let mut bracket = Bracket::new(lo, hi);
-    let mut probes: Vec<(u32, WorkloadProbe)> = vec![];
-    let late_s = cfg.load.late_after_ms / 1e3;
-    let mut probe = |ctx: &mut Ctx, session: &mut Session, k: u32| {
-        let scale = k as f64 * a.scale_step;
-        progress(SweepEvent::Probing(&format!(
-            "{name} {label}: probing scale {scale:.2}"
-        )));
-        let runs = agents::plan_runs(
-            a,
-            scale,
-            session.driver.vocab_size(),
-            ctx.probes_total as u64,
-        );
-        let run = agents::run_probe(&session.driver, a, runs, late_s);
-        let mut s = summarise(&run, run.max_in_flight, &cfg.slo, &cfg.load);
-        if let Some(c) = session.died() {
-            s.breaches.insert(0, c);
-        }
-        let probe_id = ctx.probes_total;
-        ctx.probes_total += 1;
-        push_rows(ctx, name, &label, (probe_id, None), k, &run, &s);
-        progress(SweepEvent::Probed(ctx.probes.last().expect("just pushed")));
-        let classes = agents::class_summaries(a, &run);
-        WorkloadProbe {
-            scale,
-            summary: s,
-            classes,
-        }
-    };
-    while let Step::Probe(k) = bracket.next() {
-        let p = probe(ctx, session, k);
-        bracket.record(k, p.summary.breaches.is_empty());
-        probes.push((k, p));
-    }
-    // Past the breach, to the collapse: goodput under a fraction of its peak.
-    let peak = |probes: &[(u32, WorkloadProbe)]| {
-        probes
-            .iter()
-            .map(|(_, p)| p.summary.goodput_req_per_s)
-            .fold(0.0, f64::max)
-    };
-    let mut collapse = None;
-    if let Some(mut k) = bracket.infeasible {
-        for _ in 0..a.collapse_probes {
-            let at = probes
-                .iter()
-                .find(|(j, _)| *j == k)
-                .map(|(_, p)| p.summary.goodput_req_per_s);
-            if at.is_some_and(|g| g < a.collapse_fraction * peak(&probes)) {
-                collapse = Some(k);
-                break;
-            }
-            k *= 2;
-            let p = probe(ctx, session, k);
-            probes.push((k, p));
-        }
-        let last = probes
-            .iter()
-            .find(|(j, _)| *j == k)
-            .map(|(_, p)| p.summary.goodput_req_per_s);
-        if collapse.is_none() && last.is_some_and(|g| g < a.collapse_fraction * peak(&probes)) {
-            collapse = Some(k);
-        }
-    }
-    // Recovery: from the collapse (or the highest probe) straight to the
-    // safe scale.
-    let safe = bracket.feasible.map_or(0.0, |k| k as f64 * a.scale_step) * (1.0 - cfg.slo.headroom);
-    let recovery = match (bracket.infeasible, a.collapse_probes) {
-        (Some(_), n) if n > 0 && safe > 0.0 => {
-            let from_k =
-                collapse.unwrap_or_else(|| probes.iter().map(|(k, _)| *k).max().unwrap_or(hi));
-            let from = from_k as f64 * a.scale_step;
-            progress(SweepEvent::Probing(&format!(
-                "{name} {label}: recovery from scale {from:.2} to {safe:.2}"
-            )));
-            let (run, switch_s) = agents::overload_then(
-                &session.driver,
-                a,
-                from,
-                safe,
-                ctx.probes_total as u64,
-                late_s,
-            );
-            let (recovery_s, requests_after, missed_after) =
-                agents::recovery(&run, switch_s, &cfg.slo);
-            Some(Recovery {
-                from_scale: from,
-                to_scale: safe,
-                overload_s: switch_s,
-                window_s: a.recovery_s,
-                recovery_s,
-                requests_after,
-                missed_after,
-            })
-        }
-        _ => None,
-    };
-    let binding = match bracket.infeasible {
-        Some(i) => probes
-            .iter()
-            .find(|(k, _)| *k == i)
-            .and_then(|(_, p)| p.summary.breaches.first().copied())
-            .unwrap_or(Constraint::Errors),
-        None => Constraint::SearchCap,
-    };
-    let feasible = bracket.feasible.map_or(0.0, |k| k as f64 * a.scale_step);
-    probes.sort_by_key(|(k, _)| *k);
-    let curve: Vec<(f64, f64)> = probes
-        .iter()
-        .map(|(_, p)| (p.scale, p.summary.goodput_req_per_s))
-        .collect();
-    WorkloadResult {
-        name: a.workload.name.clone(),
-        arrival: a.arrival.label().into(),
-        feasible_scale: feasible,
-        safe_scale: safe,
-        binding_constraint: binding,
-        knee_scale: agents::knee(&curve),
-        collapse_scale: collapse.map(|k| k as f64 * a.scale_step),
-        recovery,
-        probes: probes.into_iter().map(|(_, p)| p).collect(),
-    }
 }
 
 /// `[quality]`: scores the selected configuration's precision.

@@ -300,6 +300,10 @@ pub struct ConfigResult {
     /// load (sessions of calls per task class).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workload: Option<WorkloadResult>,
+    /// `[load.trace]`: a replayed trace's safe time-scale factor (`arrival`
+    /// is `trace`; a scale of 2.0 is the trace's arrivals twice as fast).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<WorkloadResult>,
 }
 
 /// The search over a workload's scale: 1.0 is the workload's mean run rates,
@@ -308,10 +312,15 @@ pub struct ConfigResult {
 #[serde(deny_unknown_fields)]
 pub struct WorkloadResult {
     pub name: String,
-    /// `poisson`, `bursts` or `ramp`.
+    /// `poisson`, `bursts` or `ramp`; `trace` for a replayed trace.
     pub arrival: String,
     /// The largest scale that met every SLO (0: none did).
     pub feasible_scale: f64,
+    /// One step below the lowest scale decided breached at
+    /// `slo.confidence`: the most the feasible scale can be (None: no
+    /// scale was decided breached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feasible_upper_scale: Option<f64>,
     /// `feasible_scale` less `slo.headroom`.
     pub safe_scale: f64,
     pub binding_constraint: Constraint,
@@ -359,6 +368,9 @@ pub struct WorkloadProbe {
     pub summary: ProbeSummary,
     /// Per task class.
     pub classes: BTreeMap<String, ClassSummary>,
+    /// A replayed trace: per tenant.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenants: BTreeMap<String, ClassSummary>,
 }
 
 /// One task class's requests and runs within a probe.

@@ -31,6 +31,8 @@ pub struct RequestRow {
     /// Agent-shaped load: the task class and run (session) of the call.
     pub class: String,
     pub run: u32,
+    /// A replayed trace: the call's tenant.
+    pub tenant: String,
     pub finish_reason: String,
     /// Why the request failed (`short_output`, `stream_cut`, `http_429`,
     /// ...; see `envelope_harness::truth`); empty for a whole answer.
@@ -122,6 +124,7 @@ pub(super) fn push_rows(
             preemptions: r.preemptions,
             class: r.class.clone().unwrap_or_default(),
             run: r.run,
+            tenant: r.tenant.clone().unwrap_or_default(),
             finish_reason: r.finish_reason.clone().unwrap_or_default(),
             error_reason: r
                 .error

@@ -80,6 +80,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
             server_checks: None,
             time_to_ready_s: None,
             workload: None,
+            trace: None,
         }],
         selected: format!("{precision}-f32-continuous"),
         limits: Some(Limits {

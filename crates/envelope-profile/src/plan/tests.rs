@@ -175,6 +175,7 @@ fn profile() -> Profile {
             server_checks: None,
             time_to_ready_s: None,
             workload: None,
+            trace: None,
         }],
         selected: "c".into(),
         limits: Some(Limits {

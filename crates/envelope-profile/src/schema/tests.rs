@@ -69,6 +69,7 @@ fn config(buckets: Vec<BucketResult>) -> ConfigResult {
         server_checks: None,
         time_to_ready_s: None,
         workload: None,
+        trace: None,
     }
 }
 

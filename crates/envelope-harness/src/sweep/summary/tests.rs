@@ -255,6 +255,7 @@ fn no_safe_point_says_why_per_configuration() {
         server_checks: None,
         time_to_ready_s: None,
         workload: None,
+        trace: None,
     };
     let why = crate::sweep::why_no_safe_point(&[
         config("a", None),
@@ -311,6 +312,7 @@ fn repeats_keep_every_search_and_the_lower_median_safe_point() {
         server_checks: None,
         time_to_ready_s: None,
         workload: None,
+        trace: None,
     };
     // One repeat: itself, no repeats listed.
     let one = merge_repeats(vec![vec![config(&[4], 10, None)]]);
