@@ -6,6 +6,7 @@ mod tiers;
 use anyhow::{Context, Result};
 use clap::Args;
 use envelope_profile::plan::{ClassDemand, ClassSupply, Plan};
+use envelope_profile::trace::{workload_from_trace, workload_toml, Trace};
 use envelope_profile::workload::Workload;
 use envelope_profile::Profile;
 use std::path::PathBuf;
@@ -13,8 +14,20 @@ use std::path::PathBuf;
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// The workload (TOML; see bench-configs/workloads/README.md).
-    #[arg(long, env = "ENVELOPE_PLAN_WORKLOAD")]
-    pub workload: PathBuf,
+    #[arg(
+        long,
+        env = "ENVELOPE_PLAN_WORKLOAD",
+        required_unless_present = "workload_from",
+        conflicts_with = "workload_from"
+    )]
+    pub workload: Option<PathBuf>,
+    /// Derive the workload from a trace instead (ours as `envelope govern
+    /// --record` writes it, Mooncake's JSON lines or BurstGPT's CSV): a
+    /// class per trace class, a run per session, rates, token percentiles
+    /// and burstiness measured. The derived workload's TOML is printed
+    /// first (to stderr with --json).
+    #[arg(long, value_name = "TRACE")]
+    pub workload_from: Option<PathBuf>,
     /// A profile written by `envelope sweep` (the supply side).
     #[arg(long, env = "ENVELOPE_PLAN_PROFILE", required_unless_present = "tier")]
     pub profile: Option<PathBuf>,
@@ -48,6 +61,11 @@ pub struct PlanArgs {
     /// --validate: the server's base URL (loopback or a host you own).
     #[arg(long)]
     pub target: Option<String>,
+    /// --validate: replay this trace (its arrivals at one replica's share
+    /// of the scenario, sessions in order) instead of synthetic runs of
+    /// the workload; with --workload-from, the trace it came from.
+    #[arg(long, value_name = "TRACE", requires = "validate")]
+    pub trace: Option<PathBuf>,
     /// --validate: the model name sent in requests.
     #[arg(long, default_value = "default")]
     pub model: String,
@@ -65,11 +83,36 @@ pub struct PlanArgs {
     pub vocab_size: usize,
 }
 
+/// The workload: from `--workload`, or derived from `--workload-from`'s
+/// trace (its TOML printed); and the path to name it by.
+fn workload(args: &PlanArgs) -> Result<(Workload, String)> {
+    if let Some(t) = &args.workload_from {
+        let tpath = t.display().to_string();
+        let trace =
+            Trace::read(&tpath, None).map_err(|e| anyhow::anyhow!("--workload-from {e}"))?;
+        let w = workload_from_trace(&trace);
+        let text = format!(
+            "# derived by `envelope plan --workload-from {tpath}` from {} requests over {:.1} s\n{}",
+            trace.requests.len(),
+            trace.span_s(),
+            workload_toml(&w)
+        );
+        if args.json {
+            eprint!("{text}");
+        } else {
+            println!("{text}");
+        }
+        return Ok((w, tpath));
+    }
+    let path = args.workload.clone().unwrap_or_default();
+    let wpath = path.display().to_string();
+    let wtext =
+        std::fs::read_to_string(&path).with_context(|| format!("reading --workload {wpath}"))?;
+    Ok((Workload::from_toml(&wtext, &wpath)?, wpath))
+}
+
 pub fn run(args: &PlanArgs) -> Result<()> {
-    let wpath = args.workload.display().to_string();
-    let wtext = std::fs::read_to_string(&args.workload)
-        .with_context(|| format!("reading --workload {wpath}"))?;
-    let workload = Workload::from_toml(&wtext, &wpath)?;
+    let (workload, wpath) = workload(args)?;
     if !args.tier.is_empty() {
         return tiers::run(args, &workload, &wpath);
     }
@@ -98,6 +141,13 @@ fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan
     if !(args.seconds > 0.0 && args.tolerance >= 0.0) {
         anyhow::bail!("--seconds must be > 0 and --tolerance >= 0");
     }
+    let trace = match (&args.trace, &args.workload_from) {
+        (Some(t), _) | (None, Some(t)) => Some(
+            Trace::read(&t.display().to_string(), None)
+                .map_err(|e| anyhow::anyhow!("--trace {e}"))?,
+        ),
+        (None, None) => None,
+    };
     let settings = envelope_harness::replay::ReplaySettings {
         base_url: target.clone(),
         model: args.model.clone(),
@@ -107,8 +157,9 @@ fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan
         tolerance: args.tolerance,
         seed: 1,
     };
-    let v = envelope_harness::replay::validate(workload, plan, &profile.slo, &settings)
-        .map_err(|e| anyhow::anyhow!("--validate against {target}: {e}"))?;
+    let v =
+        envelope_harness::replay::validate(workload, plan, &profile.slo, &settings, trace.as_ref())
+            .map_err(|e| anyhow::anyhow!("--validate against {target}: {e}"))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {

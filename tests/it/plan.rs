@@ -110,6 +110,78 @@ fn plan_errors_name_the_file_and_field() {
 /// Plans checked by replay: a profile of SmolLM2 swept here
 /// through the http target of `envelope serve` (so supply and replay are
 /// the same machine's), the quickstart workload planned on it and replayed
+
+/// A workload derived from a recorded trace: its TOML printed, then the
+/// plan; with --json the TOML goes to stderr and stdout is the plan.
+#[test]
+fn plan_derives_its_workload_from_a_trace() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bench-configs/traces/sample-envelope.jsonl"
+    );
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_envelope"))
+            .args(["plan", "--workload-from", trace, "--profile", PROFILE])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let r = run(&[]);
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert!(
+        r.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    assert!(
+        text.starts_with("# derived by `envelope plan --workload-from"),
+        "{text}"
+    );
+    let toml_part = &text[..text.find("envelope plan: workload").expect("then the plan")];
+    let w = envelope_profile::workload::Workload::from_toml(toml_part, "derived").unwrap();
+    let agent = w.classes.iter().find(|c| c.name == "interactive").unwrap();
+    assert!(agent.session && agent.model_calls_per_run == 3.0);
+    assert!(text.contains("binding: concurrency_slots"), "{text}");
+    let r = run(&["--json"]);
+    assert!(r.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    assert_eq!(v["workload"], "sample-envelope");
+    assert!(String::from_utf8_lossy(&r.stderr).contains("[[class]]"));
+    // --workload and --workload-from exclude each other; one is required.
+    let both = Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args([
+            "plan",
+            "--workload",
+            trace,
+            "--workload-from",
+            trace,
+            "--profile",
+            PROFILE,
+        ])
+        .output()
+        .unwrap();
+    assert!(!both.status.success());
+    let bad = run_with_missing_trace();
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--workload-from"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}
+
+fn run_with_missing_trace() -> Output {
+    Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .args([
+            "plan",
+            "--workload-from",
+            "/nonexistent/trace.jsonl",
+            "--profile",
+            PROFILE,
+        ])
+        .output()
+        .unwrap()
+}
+
 /// at one replica's share: confirmed. The same workload claiming that its
 /// requests take 50 ms: the plan's slots are optimistic, and --validate
 /// exits 1.
@@ -189,6 +261,57 @@ headroom = 0.1
         String::from_utf8_lossy(&r.stderr)
     );
     assert!(text.contains("| concurrency_slots |") && text.contains("| kv_tokens |"));
+
+    // A recorded trace replayed at one replica's share: its own requests,
+    // sessions in order, judged against the plan derived from it.
+    let trace = dir.join("trace.jsonl");
+    let lines: Vec<String> = (0..60)
+        .map(|i| {
+            let session = if i % 3 == 0 {
+                String::new()
+            } else {
+                format!(r#","session":"s{}""#, i / 3)
+            };
+            format!(
+                r#"{{"t_s":{},"input_tokens":{},"output_tokens":16,"class":"chat"{session}}}"#,
+                i as f64 * 0.25,
+                40 + (i % 3) * 8
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let r = Command::new(env!("CARGO_BIN_EXE_envelope"))
+        .arg("plan")
+        .arg("--workload-from")
+        .arg(&trace)
+        .arg("--profile")
+        .arg(&profile)
+        .args(["--validate", "--target", &server.base, "--model", "smollm2"])
+        .args(["--vocab-size", "49152", "--seconds", "15"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&r.stdout);
+    assert!(
+        matches!(r.status.code(), Some(0 | 1)),
+        "{text}\n{}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("replayed `trace`"))
+        .unwrap_or_else(|| panic!("{text}"));
+    // 60 requests in 15 s at one replica: the trace once.
+    let sent: u64 = line
+        .split(": ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!((55..=61).contains(&sent), "{line}");
+    assert!(
+        text.contains("plan confirmed") || text.contains("plan OPTIMISTIC"),
+        "{text}"
+    );
 
     let optimistic = dir.join("optimistic.toml");
     let w = std::fs::read_to_string(&quickstart).unwrap().replace(

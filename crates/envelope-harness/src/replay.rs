@@ -14,9 +14,12 @@ use crate::check::check_server;
 use crate::config::LoadConfig;
 use crate::config::{AgentLoad, Arrival};
 use crate::driver::{HttpDriver, HttpSettings, PromptFormat};
+use crate::load::open_schedule;
 use crate::record::{Driver, RequestRecord};
 use crate::sweep::summarise;
+use crate::trace_load::TraceLoad;
 use envelope_profile::plan::{Plan, PlanConstraint};
+use envelope_profile::trace::Trace;
 use envelope_profile::workload::Workload;
 use envelope_profile::{ProbeSummary, Slo};
 use serde::Serialize;
@@ -89,12 +92,16 @@ fn share(workload: &Workload, scenario: &str, replicas: u64) -> Result<Workload,
 }
 
 /// Replays `workload` at one replica's share of `s.scenario` in `plan`
-/// against `s.base_url` and compares.
+/// against `s.base_url` and compares. With `trace`, the trace itself is
+/// replayed for `s.seconds` (its arrivals time-scaled to the share: the
+/// share's runs a minute over the workload's), its classes (`default`
+/// for none) matched to the plan's.
 pub fn validate(
     workload: &Workload,
     plan: &Plan,
     slo: &Slo,
     s: &ReplaySettings,
+    trace: Option<&Trace>,
 ) -> Result<Validation, String> {
     let sc = plan
         .scenarios
@@ -124,8 +131,32 @@ pub fn validate(
         min_runs: 1,
     };
     let driver: Arc<dyn Driver> = Arc::new(driver);
-    let runs = plan_runs(&load, 1.0, s.vocab_size, s.seed);
-    let run = run_probe(&driver, &load, runs, 0.5, None);
+    let run = match trace {
+        None => {
+            let runs = plan_runs(&load, 1.0, s.vocab_size, s.seed);
+            run_probe(&driver, &load, runs, 0.5, None)
+        }
+        Some(t) => {
+            let rate = |w: &Workload| w.classes.iter().map(|c| c.runs_per_min).sum::<f64>();
+            let scale = rate(&load.workload) / rate(workload).max(1e-9);
+            let replay = TraceLoad {
+                trace: t.clone(),
+                scale_min: scale,
+                scale_step: scale,
+                scale_max: scale,
+                window_s: Some(s.seconds),
+                collapse_probes: 0,
+                collapse_fraction: 0.5,
+                recovery_s: s.seconds,
+            };
+            let sessions = replay.sessions(scale, 0.0, s.seconds, s.vocab_size);
+            let mut run = open_schedule(&driver, sessions, 0.5, None);
+            for r in &mut run.records {
+                r.class.get_or_insert_with(|| "default".into());
+            }
+            run
+        }
+    };
     let summary = summarise(&run, run.max_in_flight, slo, &LoadConfig::default());
     let window = s.seconds;
     let served = run.records.iter().filter(|r| r.error.is_none()).count();

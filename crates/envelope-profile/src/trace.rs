@@ -332,5 +332,8 @@ pub fn json_schema() -> serde_json::Value {
     serde_json::to_value(schemars::schema_for!(TraceRequest)).unwrap_or_default()
 }
 
+mod workload;
+pub use workload::{workload_from_trace, workload_toml};
+
 #[cfg(test)]
 mod tests;

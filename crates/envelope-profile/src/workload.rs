@@ -112,7 +112,7 @@ pub struct TaskClass {
     pub time_in_system_s_mean: Option<f64>,
     pub time_in_system_s_p95: Option<f64>,
     /// Other dependencies per run (vector queries, tool writes, ...).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub dependencies_per_run: BTreeMap<String, f64>,
     /// Agent-shaped load (`envelope sweep` with `load.workload`): tokens of
     /// the system prompt every call of this class starts with (shared
@@ -133,7 +133,7 @@ pub struct TaskClass {
     /// serves per call of this class (0.8 small and 0.2 large; escalated
     /// calls are attempts on both, so the shares may sum above 1). Empty:
     /// the mix given with `--tier-mix`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub tiers: BTreeMap<String, f64>,
 }
 

@@ -152,3 +152,54 @@ fn a_record_round_trips_and_the_committed_schema_is_current() {
         "{path} is stale: run with ENVELOPE_WRITE_SCHEMA=1 to write it"
     );
 }
+
+#[test]
+fn a_workload_is_derived_from_our_sample() {
+    let t = Trace::read(&sample("sample-envelope.jsonl"), None).unwrap();
+    let w = workload_from_trace(&t);
+    assert_eq!(w.name, "sample-envelope");
+    let names: Vec<&str> = w.classes.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["batch", "interactive"]);
+    let (batch, agent) = (&w.classes[0], &w.classes[1]);
+    // 18 single calls and 6 runs of 3 over the trace's length.
+    let n = t.requests.len() as f64;
+    let length = t.span_s() * n / (n - 1.0);
+    assert!((batch.runs_per_min - 18.0 * 60.0 / length).abs() < 1e-3);
+    assert!((agent.runs_per_min - 6.0 * 60.0 / length).abs() < 1e-3);
+    assert_eq!(
+        (batch.model_calls_per_run, agent.model_calls_per_run),
+        (1.0, 3.0)
+    );
+    assert!(!batch.session && agent.session);
+    // Each call grows by 60 tokens over its predecessor's prompt (24 of
+    // them its output): 36 tool-result tokens.
+    assert_eq!(agent.tool_result_tokens, 36);
+    // The shared block 11 (128 tokens) opens every run.
+    assert_eq!(agent.system_prompt_tokens, 128);
+    assert_eq!(batch.system_prompt_tokens, 0);
+    assert_eq!(
+        (agent.output_tokens_p50, agent.output_tokens_p95),
+        (24.0, 24.0)
+    );
+    assert!(agent
+        .runs_per_min_p95
+        .is_none_or(|p| p >= agent.runs_per_min));
+    // The TOML reads back as the same workload.
+    let text = workload_toml(&w);
+    let back = crate::workload::Workload::from_toml(&text, "derived.toml").unwrap();
+    assert_eq!(back, w);
+}
+
+#[test]
+fn bursts_raise_the_p95_rate() {
+    // 100 requests in the first second of a 100 s trace, one a second after.
+    let mut reqs: Vec<TraceRequest> = (0..100)
+        .map(|i| TraceRequest::new(i as f64 * 0.01, 10, 2))
+        .collect();
+    reqs.extend((1..100).map(|i| TraceRequest::new(i as f64, 10, 2)));
+    let t = Trace::new("burst", reqs).unwrap();
+    let c = &workload_from_trace(&t).classes[0];
+    assert_eq!(c.name, "default");
+    let p95 = c.runs_per_min_p95.unwrap();
+    assert!(p95 > 2.0 * c.runs_per_min, "{p95} vs {}", c.runs_per_min);
+}
