@@ -107,10 +107,6 @@ fn plan_errors_name_the_file_and_field() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Plans checked by replay: a profile of SmolLM2 swept here
-/// through the http target of `envelope serve` (so supply and replay are
-/// the same machine's), the quickstart workload planned on it and replayed
-
 /// A workload derived from a recorded trace: its TOML printed, then the
 /// plan; with --json the TOML goes to stderr and stdout is the plan.
 #[test]
@@ -182,6 +178,9 @@ fn run_with_missing_trace() -> Output {
         .unwrap()
 }
 
+/// Plans checked by replay: a profile of SmolLM2 swept here
+/// through the http target of `envelope serve` (so supply and replay are
+/// the same machine's), the quickstart workload planned on it and replayed
 /// at one replica's share: confirmed. The same workload claiming that its
 /// requests take 50 ms: the plan's slots are optimistic, and --validate
 /// exits 1.
