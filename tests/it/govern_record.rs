@@ -33,6 +33,27 @@ async fn fast_upstream() -> String {
     format!("http://{addr}")
 }
 
+/// A governor recording to `dir/record.jsonl` (removed first) in front of
+/// `upstream`, with a one-bucket profile of `input` prompt tokens and
+/// `seqs` sequences.
+fn recording(
+    dir: &std::path::Path,
+    upstream: &str,
+    input: u64,
+    seqs: u64,
+) -> (Governor, std::path::PathBuf) {
+    let prof = profile(dir, "fast", input, 64, seqs);
+    let path = dir.join("record.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let gov = Governor::start(
+        dir,
+        &prof,
+        upstream,
+        &["--guard", "false", "--record", path.to_str().unwrap()],
+    );
+    (gov, path)
+}
+
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find(|l| l.starts_with(name))
@@ -45,15 +66,7 @@ fn metric(text: &str, name: &str) -> u64 {
 async fn recording_at_2000_requests_a_second_for_30_s_loses_no_record() {
     let dir = common::temp_dir("envelope-record", "rate");
     let upstream = fast_upstream().await;
-    let prof = profile(&dir, "fast", 1024, 64, 100_000);
-    let path = dir.join("record.jsonl");
-    let _ = std::fs::remove_file(&path);
-    let gov = Governor::start(
-        &dir,
-        &prof,
-        &upstream,
-        &["--guard", "false", "--record", path.to_str().unwrap()],
-    );
+    let (gov, path) = recording(&dir, &upstream, 1024, 100_000);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
         .tcp_nodelay(true)
@@ -118,15 +131,7 @@ async fn sessions_prefixes_and_refusals_are_recorded_without_text() {
     let upstream = fast_upstream().await;
     // Prompts up to 16,384 tokens: the long one is refused (400) after
     // counting.
-    let prof = profile(&dir, "fast", 16_384, 64, 8);
-    let path = dir.join("record.jsonl");
-    let _ = std::fs::remove_file(&path);
-    let gov = Governor::start(
-        &dir,
-        &prof,
-        &upstream,
-        &["--guard", "false", "--record", path.to_str().unwrap()],
-    );
+    let (gov, path) = recording(&dir, &upstream, 16_384, 8);
     let system = "Follow the house style guide to the letter. ".repeat(60);
     let client = reqwest::Client::new();
     let mut statuses = vec![];

@@ -47,14 +47,15 @@ fn shared_prefixes_share_ids_and_the_salt_hides_them() {
     let b = chat(&system, "a different question");
     let (ia, per_a) = prefix_blocks(&prompts(&a), 1000, b"salt-1");
     let (ib, _) = prefix_blocks(&prompts(&b), 1000, b"salt-1");
-    // Two whole blocks of the system prompt are the same prefix; the
-    // third holds the user's text.
-    assert_eq!(ia.len(), 3);
-    assert_eq!(ia[..2], ib[..2]);
-    assert_ne!(ia[2], ib[2]);
-    // A block spans its share of the counted tokens: 1000 x 2048 / bytes.
+    // Eight whole blocks of 512 bytes hold the system prompt, the same
+    // prefix; the ninth holds the user's text.
     let bytes = 4350 + "system".len() + "user".len() + "first question".len() + 4;
-    let want = (1000.0 * 2048.0 / bytes as f64).round() as u32;
+    assert_eq!(ia.len(), bytes.div_ceil(512));
+    assert_eq!(ia.len(), 9);
+    assert_eq!(ia[..8], ib[..8]);
+    assert_ne!(ia[8], ib[8]);
+    // A block spans its share of the counted tokens: 1000 x 512 / bytes.
+    let want = (1000.0 * 512.0 / bytes as f64).round() as u32;
     assert_eq!(per_a, Some(want));
     // Another deployment's salt: no id in common.
     let (other, _) = prefix_blocks(&prompts(&a), 1000, b"salt-2");
@@ -63,10 +64,10 @@ fn shared_prefixes_share_ids_and_the_salt_hides_them() {
     let c = chat(&format!("X{}", &system[1..]), "first question");
     let (ic, _) = prefix_blocks(&prompts(&c), 1000, b"salt-1");
     assert!(ic.iter().all(|x| !ia.contains(x)));
-    // Token ids are cut in blocks of 512 ids.
+    // Token ids are cut in blocks of 128 ids.
     let ids = Prompts::Tokens(vec![(0..1100).collect()]);
     let (it, per) = prefix_blocks(&ids, 1100, b"s");
-    assert_eq!((it.len(), per), (3, Some(512)));
+    assert_eq!((it.len(), per), (9, Some(128)));
     assert_eq!(
         prefix_blocks(&Prompts::Texts(vec![]), 0, b"s"),
         (vec![], None)
