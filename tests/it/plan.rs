@@ -135,7 +135,7 @@ fn plan_derives_its_workload_from_a_trace() {
     );
     let toml_part = &text[..text.find("envelope plan: workload").expect("then the plan")];
     let w = envelope_profile::workload::Workload::from_toml(toml_part, "derived").unwrap();
-    let agent = w.classes.iter().find(|c| c.name == "interactive").unwrap();
+    let agent = w.classes.iter().find(|c| c.name == "agent").unwrap();
     assert!(agent.session && agent.model_calls_per_run == 3.0);
     assert!(text.contains("binding: concurrency_slots"), "{text}");
     let r = run(&["--json"]);

@@ -94,8 +94,9 @@ fn share(workload: &Workload, scenario: &str, replicas: u64) -> Result<Workload,
 /// Replays `workload` at one replica's share of `s.scenario` in `plan`
 /// against `s.base_url` and compares. With `trace`, the trace itself is
 /// replayed for `s.seconds` (its arrivals time-scaled to the share: the
-/// share's runs a minute over the workload's), its classes (`default`
-/// for none) matched to the plan's.
+/// share's runs a minute over the workload's), its classes matched to the
+/// plan's as `--workload-from` names them (feature, else class, else
+/// `default`).
 pub fn validate(
     workload: &Workload,
     plan: &Plan,
@@ -139,8 +140,14 @@ pub fn validate(
         Some(t) => {
             let rate = |w: &Workload| w.classes.iter().map(|c| c.runs_per_min).sum::<f64>();
             let scale = rate(&load.workload) / rate(workload).max(1e-9);
+            // Classes as the derived workload names them: by feature,
+            // else by the trace's class.
+            let mut trace = t.clone();
+            for r in &mut trace.requests {
+                r.class = r.feature.clone().or(r.class.take());
+            }
             let replay = TraceLoad {
-                trace: t.clone(),
+                trace,
                 scale_min: scale,
                 scale_step: scale,
                 scale_max: scale,

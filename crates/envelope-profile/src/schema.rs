@@ -734,4 +734,4 @@ impl Profile {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -134,15 +134,21 @@ fn a_v1_profile_loads_with_its_table_rebuilt_from_the_sweep() {
 
 #[test]
 fn committed_json_schema_is_current() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../profiles/schema/profile.schema.json"
+    assert_committed_schema("profile.schema.json", &json_schema());
+}
+
+/// `profiles/schema/NAME` holds `schema` (written instead with
+/// `ENVELOPE_WRITE_SCHEMA` set).
+pub(crate) fn assert_committed_schema(name: &str, schema: &serde_json::Value) {
+    let path = format!(
+        "{}/../../profiles/schema/{name}",
+        env!("CARGO_MANIFEST_DIR")
     );
-    let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
+    let want = serde_json::to_string_pretty(schema).unwrap() + "\n";
     if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
-        std::fs::write(path, &want).unwrap();
+        std::fs::write(&path, &want).unwrap();
     }
-    let have = std::fs::read_to_string(path).unwrap_or_default();
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(
         have == want,
         "{path} is stale: run ENVELOPE_WRITE_SCHEMA=1 cargo test -p envelope-profile"

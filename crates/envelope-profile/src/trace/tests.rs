@@ -138,19 +138,7 @@ fn a_record_round_trips_and_the_committed_schema_is_current() {
     assert!(!line.contains("prefix_blocks"), "empty fields are left out");
     let back: TraceRequest = serde_json::from_str(&line).unwrap();
     assert_eq!(back, r);
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../profiles/schema/trace.schema.json"
-    );
-    let want = serde_json::to_string_pretty(&json_schema()).unwrap() + "\n";
-    if std::env::var_os("ENVELOPE_WRITE_SCHEMA").is_some() {
-        std::fs::write(path, &want).unwrap();
-    }
-    let have = std::fs::read_to_string(path).unwrap_or_default();
-    assert!(
-        have == want,
-        "{path} is stale: run with ENVELOPE_WRITE_SCHEMA=1 to write it"
-    );
+    crate::schema::tests::assert_committed_schema("trace.schema.json", &json_schema());
 }
 
 #[test]
@@ -159,8 +147,9 @@ fn a_workload_is_derived_from_our_sample() {
     let w = workload_from_trace(&t);
     assert_eq!(w.name, "sample-envelope");
     let names: Vec<&str> = w.classes.iter().map(|c| c.name.as_str()).collect();
-    assert_eq!(names, ["batch", "interactive"]);
-    let (batch, agent) = (&w.classes[0], &w.classes[1]);
+    // By feature: the agent runs and the summaries.
+    assert_eq!(names, ["agent", "summarise"]);
+    let (agent, batch) = (&w.classes[0], &w.classes[1]);
     // 18 single calls and 6 runs of 3 over the trace's length.
     let n = t.requests.len() as f64;
     let length = t.span_s() * n / (n - 1.0);

@@ -1,5 +1,7 @@
 //! A workload derived from a trace (`envelope plan --workload-from`): one
-//! task class per trace class (`default` for requests with none), a run per
+//! task class per feature (what the caller does, `x-envelope-feature`),
+//! else per trace class (BurstGPT's log type, the governor's priority
+//! class), `default` for requests with neither; a run per
 //! session (a request of no session is a run of one call). Rates are runs
 //! over the trace's length; the p95 rate is the 95th percentile over
 //! windows of a tenth of it (a minute for traces over ten minutes); token
@@ -20,7 +22,11 @@ pub fn workload_from_trace(trace: &Trace) -> Workload {
     // class -> runs (each its requests in order).
     let mut runs: BTreeMap<&str, BTreeMap<String, Vec<&TraceRequest>>> = BTreeMap::new();
     for (i, r) in trace.requests.iter().enumerate() {
-        let class = r.class.as_deref().unwrap_or("default");
+        let class = r
+            .feature
+            .as_deref()
+            .or(r.class.as_deref())
+            .unwrap_or("default");
         let run = match &r.session {
             Some(s) => format!("s:{s}"),
             None => format!("r:{i}"),
