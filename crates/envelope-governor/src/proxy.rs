@@ -89,7 +89,7 @@ async fn handle(
     // With --record, what the request is, for its line when it ends.
     let draft = s.recorder.as_ref().map(|_| {
         let tokens = counted.counts.first().copied().unwrap_or(0);
-        Draft::of(&inc, tokens, who)
+        crate::request_path::record::draft(&inc, tokens, who)
     });
     let refused = |draft: Option<Draft>, e: &GovernError| {
         if let (Some(r), Some(d)) = (&s.recorder, draft) {
@@ -153,7 +153,7 @@ fn both(a: Option<OnEnd>, b: Option<OnEnd>) -> Option<OnEnd> {
 fn record_at_end(s: &AppState, draft: Option<Draft>, status: u16) -> Option<OnEnd> {
     let (recorder, draft) = (s.recorder.clone()?, draft?);
     Some(Box::new(move |end: StreamEnd| {
-        recorder.record(draft.ended(status, &end));
+        recorder.record(crate::request_path::record::ended(draft, status, &end));
     }))
 }
 

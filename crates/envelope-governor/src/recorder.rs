@@ -64,29 +64,6 @@ pub struct Draft {
 }
 
 impl Draft {
-    /// The draft of `inc`, counted at `input_tokens`, from `who`: its
-    /// session and feature from their headers (a malformed one is left
-    /// out; the request path judges headers, not the recorder).
-    pub(crate) fn of(
-        inc: &crate::request_path::Incoming,
-        input_tokens: u64,
-        who: &crate::identity::Identity,
-    ) -> Draft {
-        let h = &inc.parts.headers;
-        let header = |name| crate::identity::named(h, name).ok().flatten();
-        Draft {
-            arrived: inc.arrived,
-            arrived_unix_s: Draft::unix_s_of(inc.arrived),
-            endpoint: inc.parsed.endpoint,
-            body: inc.parsed.raw().clone(),
-            input_tokens,
-            session: header(crate::identity::CONVERSATION_HEADER),
-            class: who.class.label(),
-            tenant: who.tenant.clone(),
-            feature: header(crate::identity::FEATURE_HEADER),
-        }
-    }
-
     /// Finished with no answer: refused or failed with `status`, its
     /// output the client's limit (what it offered to take).
     pub fn refused(self, status: u16, max_tokens: Option<u64>) -> Finished {
@@ -94,23 +71,6 @@ impl Draft {
             output_tokens: max_tokens.unwrap_or(0),
             status,
             ttft_ms: None,
-            e2e_ms: self.arrived.elapsed().as_secs_f64() * 1e3,
-            tiers: None,
-            draft: self,
-        }
-    }
-
-    /// Finished as a relayed body ended (`end`), with `status`.
-    pub(crate) fn ended(self, status: u16, end: &crate::request_path::StreamEnd) -> Finished {
-        let output = end
-            .completion_tokens
-            .unwrap_or_else(|| end.events.saturating_sub(u64::from(end.whole)));
-        Finished {
-            output_tokens: output,
-            status,
-            ttft_ms: end
-                .first_chunk
-                .map(|t| t.saturating_duration_since(self.arrived).as_secs_f64() * 1e3),
             e2e_ms: self.arrived.elapsed().as_secs_f64() * 1e3,
             tiers: None,
             draft: self,
@@ -183,6 +143,26 @@ impl Recorder {
             dropped,
             writer: Mutex::new(Some(writer)),
         }))
+    }
+
+    /// [`Recorder::start`] with `settings` where there are some (`--record`
+    /// given), logged.
+    ///
+    /// # Errors
+    /// The file cannot be opened for appending.
+    pub fn start_if(
+        settings: Option<RecordSettings>,
+        written: &Counter,
+        dropped: &Counter,
+    ) -> Result<Option<Arc<Recorder>>, crate::error::StartError> {
+        let Some(rs) = settings else {
+            return Ok(None);
+        };
+        let path = rs.path.display().to_string();
+        let r = Recorder::start(rs, written.clone(), dropped.clone())
+            .map_err(|e| crate::error::StartError::Invalid(format!("--record {path}: {e}")))?;
+        tracing::info!("recording finished requests to {path}");
+        Ok(Some(r))
     }
 
     /// Hands `f` to the writer, or drops and counts it when the channel

@@ -23,6 +23,7 @@ mod count;
 mod headers;
 mod plan;
 mod read;
+pub(crate) mod record;
 mod relay;
 mod reserve;
 mod send;

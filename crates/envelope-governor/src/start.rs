@@ -108,8 +108,8 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         });
     }
     let mut state = AppState::new(gov.clone(), &upstream, counter);
-    let recorder = start_recorder(
-        &args,
+    let recorder = crate::recorder::Recorder::start_if(
+        args.record_settings()?,
         &gov.metrics.records_written,
         &gov.metrics.records_dropped,
     )?;
@@ -231,23 +231,4 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         r.flush(Duration::from_secs(5));
     }
     Ok(())
-}
-
-/// `--record`'s writer, started, or None without it.
-///
-/// # Errors
-/// Bad settings, or a file that cannot be opened for appending.
-pub(crate) fn start_recorder(
-    args: &GovernArgs,
-    written: &prometheus_client::metrics::counter::Counter,
-    dropped: &prometheus_client::metrics::counter::Counter,
-) -> Result<Option<Arc<crate::recorder::Recorder>>, StartError> {
-    let Some(rs) = args.record_settings()? else {
-        return Ok(None);
-    };
-    let path = rs.path.display().to_string();
-    let r = crate::recorder::Recorder::start(rs, written.clone(), dropped.clone())
-        .map_err(|e| StartError::Invalid(format!("--record {path}: {e}")))?;
-    tracing::info!("recording finished requests to {path}");
-    Ok(Some(r))
 }

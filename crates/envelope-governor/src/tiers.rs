@@ -23,6 +23,7 @@ pub mod check;
 pub mod config;
 pub mod cost;
 pub mod metrics;
+mod read_call;
 pub mod route;
 mod shadow;
 mod start;

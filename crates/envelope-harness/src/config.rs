@@ -13,7 +13,7 @@ pub use prompts::Prompts;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-pub use trace::TraceConfig;
+pub use trace::{TraceConfig, TraceLoad};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{file}: {message}")]
@@ -437,7 +437,7 @@ pub struct BenchConfig {
     /// `load.workload`, read and validated.
     pub agents: Option<AgentLoad>,
     /// `[load.trace]`, the trace read and the settings validated.
-    pub trace: Option<crate::trace_load::TraceLoad>,
+    pub trace: Option<TraceLoad>,
     pub prompts: Prompts,
     pub quality: Option<QualitySettings>,
     pub slo: Slo,
@@ -750,7 +750,7 @@ impl BenchConfig {
             concurrency_max: m.concurrency_max,
             load: raw.load.clone(),
             agents: AgentLoad::from_load(&raw.load).map_err(err)?,
-            trace: crate::trace_load::TraceLoad::from_load(&raw.load).map_err(err)?,
+            trace: TraceLoad::from_load(&raw.load).map_err(err)?,
             prompts,
             quality,
             slo: raw.slo,

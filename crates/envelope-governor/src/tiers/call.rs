@@ -4,23 +4,22 @@
 //! check the whole answer and retry once a tier up when it fails, book
 //! every attempt, and answer with headers that say what happened.
 
-use super::book::{CallRecord, Outcome, Story, Tag};
+use super::book::{Outcome, Story, Tag};
 use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
 use super::check::{check, read_answer, AssembledAnswer, Expect, Usage};
 use super::config::{Check, OutOfTime, StreamMode};
 use super::cost::NO_FEATURE;
 use super::metrics::labels;
-use super::route::{body_signals, route, Route};
+use super::read_call::{upstream_failed, Call};
+use super::route::{body_signals, route};
 use super::state::{Live, TierRouter, Upstream};
 use crate::error::GovernError;
 use crate::front_door::FrontDoor;
 use crate::identity::Identity;
-use crate::recorder::Draft;
 use crate::refusal::RefusalCounter;
 use crate::request::Endpoint;
 use crate::request_path::{self as path, Counted, Ending, Incoming, Placed, Settlement, Wait};
 use crate::settings::Settings;
-use crate::AppState;
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -36,37 +35,6 @@ fn truthy(h: &HeaderMap, header: &str) -> bool {
     h.get(header)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
-}
-
-/// What one call is, once read.
-pub(super) struct Call {
-    pub(super) inc: Incoming,
-    /// Its prompt counted once, by the first tier's first upstream (with
-    /// its settings): a tier that counts the same way takes the count.
-    /// Where that upstream could not count, the bound estimate (which
-    /// routed the call) and no one who counted: each tier counts.
-    pub(super) counted: Counted,
-    pub(super) counted_by: Option<(Arc<AppState>, Arc<Settings>)>,
-    pub(super) who: Identity,
-    pub(super) tag: Tag,
-    pub(super) conversation: Option<String>,
-    /// `--record`: what the call is, for its line.
-    pub(super) draft: Option<Draft>,
-    pub(super) route: Route,
-    pub(super) expect: Expect,
-    /// The whole answer is held before it goes back (so it can be checked).
-    pub(super) buffered: bool,
-}
-
-impl Call {
-    /// Its `--record` line's part, with `answer` (output tokens, TTFT).
-    pub(super) fn rec(&self, answer: Option<(u64, Option<f64>)>) -> Option<CallRecord<'_>> {
-        self.draft.as_ref().map(|draft| CallRecord {
-            draft,
-            answer,
-            max_tokens: self.inc.parsed.max_tokens,
-        })
-    }
 }
 
 /// One attempt on one upstream, whole.
@@ -89,13 +57,6 @@ fn never_fits(e: &GovernError) -> bool {
             | GovernError::BeyondEnvelope { .. }
             | GovernError::NeverFits { .. }
             | GovernError::OutputTooLong { .. }
-    )
-}
-
-pub(super) fn upstream_failed(e: &GovernError) -> bool {
-    matches!(
-        e,
-        GovernError::UpstreamUnreachable(_) | GovernError::UpstreamTimeout(_)
     )
 }
 
@@ -401,7 +362,7 @@ async fn serve_call(
     let draft = r
         .recorder
         .get()
-        .map(|_| Draft::of(&inc, signals.prompt_tokens, who));
+        .map(|_| path::record::draft(&inc, signals.prompt_tokens, who));
     signals.max_tokens = inc.parsed.max_tokens;
     signals.hint = hint;
     signals.feature = feature.clone();

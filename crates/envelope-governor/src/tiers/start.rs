@@ -429,8 +429,8 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
     let router = TierRouter::new(path, args, live);
     tracing::info!("model tiers: version {}", router.live().file.version);
-    let recorder = crate::start::start_recorder(
-        &router.args,
+    let recorder = crate::recorder::Recorder::start_if(
+        router.args.record_settings()?,
         &router.metrics.records_written,
         &router.metrics.records_dropped,
     )?;

@@ -4,9 +4,9 @@
 //! `--record` written, when the stream ends.
 
 use super::book::{CallRecord, Outcome, Story};
-use super::call::{upstream_failed, Call};
 use super::check::Usage;
 use super::config::Check;
+use super::read_call::{upstream_failed, Call};
 use super::state::{Live, TierRouter, Upstream};
 use crate::error::GovernError;
 use crate::request_path::{self as path, Ending, Placed, Settlement};

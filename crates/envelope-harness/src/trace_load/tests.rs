@@ -1,7 +1,7 @@
 use super::*;
 use crate::load::open_schedule;
 use crate::record::{Driver, RequestRecord, Snapshot};
-use envelope_profile::trace::TraceFormat;
+use envelope_profile::trace::{Trace, TraceFormat};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
