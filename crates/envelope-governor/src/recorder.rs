@@ -206,8 +206,8 @@ impl Recorder {
 
     /// A recorder whose writer is stalled until the returned sender is
     /// dropped or sent to: for tests of a full channel.
-    #[doc(hidden)]
-    pub fn stalled(capacity: usize) -> (Arc<Recorder>, SyncSender<()>, Receiver<()>) {
+    #[cfg(test)]
+    pub(crate) fn stalled(capacity: usize) -> (Arc<Recorder>, SyncSender<()>, Receiver<()>) {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Message>(capacity);
         let (go_tx, go_rx) = std::sync::mpsc::sync_channel::<()>(1);
         let (done_tx, done_rx) = std::sync::mpsc::sync_channel::<()>(1);

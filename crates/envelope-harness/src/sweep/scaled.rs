@@ -25,6 +25,12 @@ use envelope_profile::{
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+/// Figures per class, and per tenant (empty where the load has none).
+type Groups = (
+    BTreeMap<String, ClassSummary>,
+    BTreeMap<String, ClassSummary>,
+);
+
 /// A load whose rate the sweep scales.
 pub(super) trait ScaledLoad {
     /// `workload:NAME` or `trace:NAME` (the probes' bucket column).
@@ -63,13 +69,7 @@ pub(super) trait ScaledLoad {
     /// Seconds at the safe scale after the overload.
     fn recovery_s(&self) -> f64;
     /// Per class (and for a trace, per tenant) figures of a run.
-    fn groups(
-        &self,
-        run: &ProbeRun,
-    ) -> (
-        BTreeMap<String, ClassSummary>,
-        BTreeMap<String, ClassSummary>,
-    );
+    fn groups(&self, run: &ProbeRun) -> Groups;
 }
 
 impl ScaledLoad for AgentLoad {
@@ -126,13 +126,7 @@ impl ScaledLoad for AgentLoad {
     fn recovery_s(&self) -> f64 {
         self.recovery_s
     }
-    fn groups(
-        &self,
-        run: &ProbeRun,
-    ) -> (
-        BTreeMap<String, ClassSummary>,
-        BTreeMap<String, ClassSummary>,
-    ) {
+    fn groups(&self, run: &ProbeRun) -> Groups {
         (agents::class_summaries(self, run), BTreeMap::new())
     }
 }
@@ -202,13 +196,7 @@ impl ScaledLoad for TraceLoad {
     fn recovery_s(&self) -> f64 {
         self.recovery_s
     }
-    fn groups(
-        &self,
-        run: &ProbeRun,
-    ) -> (
-        BTreeMap<String, ClassSummary>,
-        BTreeMap<String, ClassSummary>,
-    ) {
+    fn groups(&self, run: &ProbeRun) -> Groups {
         (
             agents::group_summaries(&run.records, |r| r.class.as_deref()),
             agents::group_summaries(&run.records, |r| r.tenant.as_deref()),
