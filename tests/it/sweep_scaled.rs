@@ -181,7 +181,12 @@ fn a_replayed_trace_finds_a_safe_time_scale_and_its_saturation_curve() {
     let feasible = w["feasible_scale"].as_f64().unwrap();
     assert!(feasible >= 1.0, "{w}");
     assert!(feasible < 16.0, "the server's throughput binds: {w}");
-    assert_eq!(w["binding_constraint"], "ttft_p95", "{w}");
+    // The level above is breached on TTFT, or sits at the limit's edge
+    // and stays undecided within its request budget (never passed).
+    assert!(
+        w["binding_constraint"] == "ttft_p95" || w["binding_constraint"] == "undecided",
+        "{w}"
+    );
     assert_eq!(w["safe_scale"].as_f64().unwrap(), feasible * 0.75);
     // The feasible factor held at the confidence asked (decided on at
     // least 14 requests for a p95 at 50%), the one above was breached.
