@@ -10,6 +10,7 @@ mod gate;
 mod govern;
 mod govern_budgets;
 mod govern_envelope;
+mod govern_picker;
 mod govern_record;
 mod govern_tiers;
 mod plan;

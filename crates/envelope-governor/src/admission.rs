@@ -111,6 +111,9 @@ pub struct Governor {
     idle: Notify,
     epoch: Instant,
     last_upstream_kv_milli: AtomicU64,
+    /// The engine's waiting requests at its last reading
+    /// (`pod_load::WAITING_UNKNOWN` when none).
+    engine_waiting: AtomicU64,
     upstream_errors: AtomicU64,
     upstream_errors_seen: AtomicU64,
     /// Arrival to upstream send, microseconds (HDR: exact percentiles for /admin/state).
@@ -209,6 +212,7 @@ impl Governor {
             idle: Notify::new(),
             epoch: Instant::now(),
             last_upstream_kv_milli: AtomicU64::new(0),
+            engine_waiting: AtomicU64::new(pod_load::WAITING_UNKNOWN),
             upstream_errors: AtomicU64::new(0),
             upstream_errors_seen: AtomicU64::new(0),
             added_latency_us: Mutex::new(
@@ -723,5 +727,6 @@ impl Governor {
 
 mod lifecycle;
 mod now;
+mod pod_load;
 mod queued;
 mod state;

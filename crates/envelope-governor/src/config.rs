@@ -212,6 +212,12 @@ pub struct GovernArgs {
     /// --record: finished requests that may wait for the writer (default 65536); past it they are dropped and counted.
     #[arg(long, env = "ENVELOPE_GOVERN_RECORD_QUEUE")]
     pub record_queue: Option<usize>,
+    /// Serve the upstream's own /metrics on the governor's /metrics, after the governor's series, in the classic text format (default false): for an endpoint picker that scrapes the pod's port. Fetched from --guard-metrics-url (default: upstream + /metrics) every --engine-metrics-interval-ms.
+    #[arg(long, env = "ENVELOPE_GOVERN_ENGINE_METRICS")]
+    pub engine_metrics: Option<bool>,
+    /// --engine-metrics: how often the upstream's /metrics is fetched, ms (default 50, an endpoint picker's scrape interval).
+    #[arg(long, env = "ENVELOPE_GOVERN_ENGINE_METRICS_INTERVAL_MS")]
+    pub engine_metrics_interval_ms: Option<u64>,
 }
 
 macro_rules! merge {
@@ -311,7 +317,9 @@ impl GovernArgs {
             record,
             record_max_mib,
             record_keep,
-            record_queue
+            record_queue,
+            engine_metrics,
+            engine_metrics_interval_ms
         );
         Ok(self)
     }

@@ -130,11 +130,14 @@ pub fn gpu_free_bytes(nvml: Option<&Nvml>) -> Option<u64> {
         .min()
 }
 
-/// Polls `metrics_url` every `interval` until the task is aborted.
+/// Polls `metrics_url` every `interval` until the task is aborted; with
+/// `note_waiting`, its readings are also the engine's waiting count (else a
+/// faster poller, `--engine-metrics`, gives that).
 pub fn spawn_guard(
     gov: Arc<Governor>,
     metrics_url: String,
     interval: Duration,
+    note_waiting: bool,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let nvml = tokio::task::spawn_blocking(|| Nvml::init().ok())
@@ -170,6 +173,9 @@ pub fn spawn_guard(
                     .flatten(),
                 None => None,
             };
+            if note_waiting {
+                gov.note_engine_waiting(state.as_ref().ok().and_then(|s| s.waiting));
+            }
             let (r, line) = watch.reading(state, free);
             if let Some(line) = line {
                 match watch.signal {

@@ -61,6 +61,13 @@ pub struct Metrics {
     pub upstream_kv_usage: Gauge<f64, AtomicU64>,
     pub capacity_used: Gauge<f64, AtomicU64>,
     pub capacity_limit: Gauge<f64, AtomicU64>,
+    /// The pod as an endpoint picker reads it (`crate::pod_load`), set
+    /// at each scrape.
+    pub pod_queued_requests: Gauge,
+    pub pod_running_requests: Gauge,
+    pub kv_reserved_ratio: Gauge<f64, AtomicU64>,
+    pub saturation: Gauge<f64, AtomicU64>,
+    pub admission_headroom: Gauge<f64, AtomicU64>,
     pub bucket_sequences: Family<Labels, Gauge>,
     pub bucket_capacity_used: Family<Labels, Gauge<f64, AtomicU64>>,
     pub profile_info: Family<Labels, Gauge>,
@@ -121,6 +128,11 @@ impl Metrics {
             upstream_kv_usage: Gauge::default(),
             capacity_used: Gauge::default(),
             capacity_limit: Gauge::default(),
+            pod_queued_requests: Gauge::default(),
+            pod_running_requests: Gauge::default(),
+            kv_reserved_ratio: Gauge::default(),
+            saturation: Gauge::default(),
+            admission_headroom: Gauge::default(),
             bucket_sequences: Family::default(),
             bucket_capacity_used: Family::default(),
             profile_info: Family::default(),
@@ -218,6 +230,31 @@ impl Metrics {
             "envelope_governor_envelope_limit",
             "Share of the envelope admitted now (1 unless the latency guard lowered it)",
             m.capacity_limit
+        );
+        reg!(
+            "envelope_governor_pod_queued_requests",
+            "Requests waiting at this pod: the governor's queue and the engine's waiting requests",
+            m.pod_queued_requests
+        );
+        reg!(
+            "envelope_governor_pod_running_requests",
+            "Requests the engine runs: in flight upstream less the engine's waiting requests",
+            m.pod_running_requests
+        );
+        reg!(
+            "envelope_governor_kv_reserved_ratio",
+            "KV tokens reserved over the KV budget in force (0..1)",
+            m.kv_reserved_ratio
+        );
+        reg!(
+            "envelope_governor_saturation",
+            "How full this pod is against its own measured limit (0..1): 1 exactly when the next request would wait or be refused",
+            m.saturation
+        );
+        reg!(
+            "envelope_governor_admission_headroom",
+            "Share of this pod's measured capacity free to admit (1 - saturation)",
+            m.admission_headroom
         );
         reg!(
             "envelope_governor_bucket_sequences",

@@ -157,15 +157,31 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         })
     };
     state.reload = Some(reload.clone());
+    let metrics_url = args
+        .guard_metrics_url
+        .clone()
+        .unwrap_or_else(|| format!("{upstream}/metrics"));
+    let engine_metrics = args.engine_metrics.unwrap_or(false);
+    if engine_metrics {
+        let ms = args.engine_metrics_interval_ms.unwrap_or(50);
+        if ms == 0 {
+            return Err(StartError::Invalid(
+                "--engine-metrics-interval-ms (engine_metrics_interval_ms) must be at least 1"
+                    .into(),
+            ));
+        }
+        state.engine_metrics = Some(crate::engine_metrics::EngineMetrics::spawn(
+            gov.clone(),
+            &metrics_url,
+            Duration::from_millis(ms),
+        ));
+    }
     if args.guard.unwrap_or(true) {
-        let url = args
-            .guard_metrics_url
-            .clone()
-            .unwrap_or_else(|| format!("{upstream}/metrics"));
         live_guard::spawn_guard(
             gov.clone(),
-            url,
+            metrics_url,
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+            !engine_metrics,
         );
     }
     // Hot reload: SIGHUP and a change of the profile, tenants or budgets file.

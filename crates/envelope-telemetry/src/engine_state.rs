@@ -271,22 +271,52 @@ pub fn parse_engine_state(text: &str) -> Result<EngineState, MetricsError> {
 
 /// GETs `url` (a `/metrics` endpoint) and parses it.
 pub async fn fetch_engine_state(url: &str, timeout: Duration) -> Result<EngineState, MetricsError> {
-    let unreachable = |e: reqwest::Error| MetricsError::Unreachable {
-        url: url.to_string(),
-        message: e.to_string(),
-    };
-    let client = reqwest::Client::builder()
-        .timeout(timeout)
-        .build()
-        .map_err(unreachable)?;
-    let resp = client.get(url).send().await.map_err(unreachable)?;
-    let status = resp.status().as_u16();
-    if status != 200 {
-        return Err(MetricsError::Http {
+    parse_engine_state(&MetricsClient::new(url, timeout)?.text().await?)
+}
+
+/// One `/metrics` endpoint fetched again and again on one connection pool
+/// (a poller at 50 ms should not open a connection per scrape).
+#[derive(Debug, Clone)]
+pub struct MetricsClient {
+    client: reqwest::Client,
+    url: String,
+}
+
+impl MetricsClient {
+    /// Each fetch gives up after `timeout`.
+    pub fn new(url: &str, timeout: Duration) -> Result<MetricsClient, MetricsError> {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| MetricsError::Unreachable {
+                url: url.to_string(),
+                message: e.to_string(),
+            })?;
+        Ok(MetricsClient {
+            client,
             url: url.to_string(),
-            status,
-        });
+        })
     }
-    let text = resp.text().await.map_err(unreachable)?;
-    parse_engine_state(&text)
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The page as it is, for a caller that passes it on or parses it.
+    pub async fn text(&self) -> Result<String, MetricsError> {
+        let url = &self.url;
+        let unreachable = |e: reqwest::Error| MetricsError::Unreachable {
+            url: url.to_string(),
+            message: e.to_string(),
+        };
+        let resp = self.client.get(url).send().await.map_err(unreachable)?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            return Err(MetricsError::Http {
+                url: url.to_string(),
+                status,
+            });
+        }
+        resp.text().await.map_err(unreachable)
+    }
 }

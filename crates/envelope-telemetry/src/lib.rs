@@ -13,7 +13,7 @@ pub mod host;
 pub mod sampler;
 
 pub use engine_state::{
-    fetch_engine_state, parse_engine_state, EngineKind, EngineState, MetricsError,
+    fetch_engine_state, parse_engine_state, EngineKind, EngineState, MetricsClient, MetricsError,
 };
 pub use fingerprint::{EngineIdentity, Fingerprint, ModelIdentity, NodeFingerprint};
 pub use gpu::{GpuSample, Nvml, NvmlUnavailable};

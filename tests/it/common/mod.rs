@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod redis;
+pub mod scrape;
 pub mod tiers;
 
 use std::io::{BufRead, BufReader};

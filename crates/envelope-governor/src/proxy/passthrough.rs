@@ -4,6 +4,7 @@
 //! configured, the public paths excepted.
 
 use super::{reject, AppState};
+use crate::engine_metrics::{combined_page, CLASSIC_TEXT};
 use crate::error::GovernError;
 use crate::identity;
 use crate::request_path::{forward_headers, stream_back_with, upstream_error};
@@ -21,14 +22,23 @@ pub(super) async fn metrics(State(s): State<Arc<AppState>>, req: Request) -> Res
             return reject(&s, e);
         }
     }
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.gov.metrics.render(),
-    )
-        .into_response()
+    s.gov.publish_pod_load();
+    let own = s.gov.metrics.render();
+    match &s.engine_metrics {
+        Some(engine) => (
+            [(axum::http::header::CONTENT_TYPE, CLASSIC_TEXT)],
+            combined_page(&own, engine.fresh().as_deref()),
+        )
+            .into_response(),
+        None => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            own,
+        )
+            .into_response(),
+    }
 }
 
 /// Whether `path` may be answered without an API key: always when no keys

@@ -28,6 +28,8 @@ pub struct AppState {
     /// `--record`: where finished requests are written (single upstream;
     /// with model tiers the router records each call instead).
     pub recorder: Option<Arc<crate::recorder::Recorder>>,
+    /// `--engine-metrics`: the upstream's page, served after the governor's.
+    pub engine_metrics: Option<Arc<crate::engine_metrics::EngineMetrics>>,
     /// Requests being counted at once.
     pub(super) counting: Arc<tokio::sync::Semaphore>,
     /// The governed endpoints' URIs (by [`Endpoint`] index) and the
@@ -65,6 +67,7 @@ impl AppState {
             reload: None,
             budget_store: Arc::new(crate::budget::Store::local()),
             recorder: None,
+            engine_metrics: None,
             head_timers: ReusingTimer::default(),
         }
     }

@@ -42,6 +42,12 @@ pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
                 .into(),
         ));
     }
+    if args.engine_metrics == Some(true) {
+        return Err(StartError::Invalid(
+            "--engine-metrics: with --tiers each upstream is its own pod with its own metrics; an endpoint picker scrapes one governor per engine (docs/deploy.md)"
+                .into(),
+        ));
+    }
     let rt = args.runtime()?;
     rt.block_on(run_async(args, path))
 }
@@ -133,6 +139,7 @@ async fn upstream(
             gov.clone(),
             format!("{url}/metrics"),
             Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+            true,
         ));
     }
     let up = Upstream {
@@ -233,6 +240,7 @@ async fn metrics(State(r): State<Arc<TierRouter>>) -> Response {
     let live = r.live();
     let mut parts = vec![(vec![], r.metrics.render())];
     for (t, i, u) in live.all_upstreams() {
+        u.app.gov.publish_pod_load();
         parts.push((
             labels(&[("tier", &t.name), ("upstream", &i.to_string())]),
             u.app.gov.metrics.render(),

@@ -19,6 +19,7 @@ async fn live_guard_ladder_from_upstream_metrics() {
         g.gov.clone(),
         format!("{}/metrics", g.upstream),
         Duration::from_millis(50),
+        true,
     );
     // Healthy: a request gets the full output cap.
     let r = g.post("/v1/completions", json!({"prompt": "hi"})).await;
@@ -92,6 +93,7 @@ async fn metrics_that_go_stale_count_as_unhealthy() {
         g.gov.clone(),
         format!("{}/metrics", g.upstream),
         Duration::from_millis(50),
+        true,
     );
     g.fake.kv_usage_milli.store(500, Ordering::SeqCst);
     g.wait_state(|s| s["ladder"]["level"] == "normal").await;
@@ -123,7 +125,7 @@ async fn metrics_absent_from_the_start_do_not_tighten() {
         } else {
             format!("{}/metrics", g.upstream)
         };
-        let _task = live_guard::spawn_guard(g.gov.clone(), url, Duration::from_millis(50));
+        let _task = live_guard::spawn_guard(g.gov.clone(), url, Duration::from_millis(50), true);
         // Well past both staleness limits, every request is served.
         for _ in 0..8 {
             tokio::time::sleep(Duration::from_millis(100)).await;
