@@ -134,6 +134,18 @@ pub struct Ask {
     pub charges: Vec<BucketCharge>,
     /// The profile's TTFT p95 for the most expensive bucket charged, ms.
     pub expected_ttft_ms: Option<f64>,
+    /// The request's own TTFT objective (an endpoint picker's header), ms:
+    /// its budget where tighter than its class's.
+    pub ttft_objective_ms: Option<f64>,
+}
+
+/// A request's TTFT budget: its class's, or its own objective where that is
+/// tighter (a client asking for more time than its class gets none).
+fn ttft_budget_ms(class_budget: Option<f64>, objective: Option<f64>) -> Option<f64> {
+    match (class_budget, objective) {
+        (Some(c), Some(o)) => Some(c.min(o)),
+        (c, o) => c.or(o),
+    }
 }
 
 /// A reservation in flight. Dropping it releases it.
@@ -670,7 +682,8 @@ impl Governor {
             // measured drain says cannot start in time, and give up on a
             // queued request once its budget is spent.
             let mut budget_bound = false;
-            if let (Some(budget), OverBudget::Shed) = (s.ttft_budget_ms(ask.class), s.over_budget) {
+            let budget = ttft_budget_ms(s.ttft_budget_ms(ask.class), ask.ttft_objective_ms);
+            if let (Some(budget), OverBudget::Shed) = (budget, s.over_budget) {
                 // The bucket's TTFT as measured, or as the proxied streams
                 // show it now when that is worse: the profile's latency is
                 // not trusted past what the node does today.

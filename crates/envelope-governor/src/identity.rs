@@ -1,10 +1,13 @@
 //! Who a request is charged to, and in which class. The tenant comes from
 //! the header a trusted front proxy sets (when the tenants file names one
 //! and the request carries it), else from the API key (when any are
-//! configured, a request without a known key is refused with 401), else it
-//! is `default`; whatever else a client writes (`x-envelope-tenant`, say)
-//! counts for nothing. The class is the client's `x-envelope-class` if the
-//! tenant may use it (else 403), or the tenant's first allowed class.
+//! configured, a request without a known key is refused with 401), else
+//! from an endpoint picker's fairness id (`fairness_header`) when it names
+//! a listed tenant, else it is `default`; whatever else a client writes
+//! (`x-envelope-tenant`, an invented fairness id) counts for nothing. The
+//! class is the client's `x-envelope-class` if the tenant may use it (else
+//! 403), else the class of the picker's objective (`objective_classes`) if
+//! the tenant may use it, else the tenant's first allowed class.
 
 use crate::error::GovernError;
 use crate::queue::Class;
@@ -21,6 +24,9 @@ pub const FEATURE_HEADER: &str = "x-envelope-feature";
 /// keep an escalated conversation on the tier up; `--record` writes it as
 /// the trace's session.
 pub const CONVERSATION_HEADER: &str = "x-envelope-conversation";
+/// llm-d's objective header, read for `objective_classes` unless the
+/// tenants file names another (`objective_header`).
+pub const OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
 
 pub use crate::names::{valid_name, MAX_FEATURE_NAME};
 
@@ -59,7 +65,14 @@ pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
         return Ok(name.to_string());
     }
     if !t.keys_required() {
-        return Ok(DEFAULT_TENANT.to_string());
+        let listed = t
+            .fairness_header
+            .as_deref()
+            .and_then(|n| h.get(n))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|id| t.tenants.contains_key(*id));
+        return Ok(listed.unwrap_or(DEFAULT_TENANT).to_string());
     }
     match bearer(h) {
         None => Err(GovernError::Unauthorized(
@@ -79,7 +92,13 @@ pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
 pub fn class(t: &TenantsFile, tenant: &str, h: &HeaderMap) -> Result<Class, GovernError> {
     let allowed = t.classes_of(tenant);
     let Some(v) = h.get(CLASS_NAME) else {
-        return Ok(allowed[0]);
+        let objective = t.objective_header.as_deref().unwrap_or(OBJECTIVE_HEADER);
+        let picked = h
+            .get(objective)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|o| t.objective_classes.get(o.trim()))
+            .filter(|c| allowed.contains(c));
+        return Ok(picked.copied().unwrap_or(allowed[0]));
     };
     let c = v.to_str().ok().and_then(Class::parse).ok_or_else(|| {
         GovernError::invalid(
@@ -145,6 +164,76 @@ mod tests {
         let t = TenantsFile::default();
         let h = headers(&[("x-envelope-tenant", "alice")]);
         assert_eq!(tenant(&t, &h).unwrap(), DEFAULT_TENANT);
+    }
+
+    #[test]
+    fn a_pickers_fairness_id_names_a_listed_tenant_unless_a_key_does() {
+        let fair = "fairness_header = \"x-llm-d-inference-fairness-id\"\n";
+        let t = file(&format!("{fair}[tenants.team-a]\nguaranteed = 0.5\n"));
+        let id = |v: &str| headers(&[("x-llm-d-inference-fairness-id", v)]);
+        assert_eq!(tenant(&t, &id("team-a")).unwrap(), "team-a");
+        assert_eq!(tenant(&t, &id(" team-a ")).unwrap(), "team-a");
+        // An id no tenant has (the picker's own `default-flow`, or one a
+        // client made up) is charged to `default`, not refused.
+        for other in ["default-flow", "team-b", "", "a b"] {
+            assert_eq!(tenant(&t, &id(other)).unwrap(), DEFAULT_TENANT, "{other}");
+        }
+        // With API keys the key decides, and the id is no credential.
+        let keyed = file(&format!(
+            "{fair}[tenants.team-a]\napi_keys = [\"sk-a\"]\n[tenants.team-b]\napi_keys = [\"sk-b\"]\n"
+        ));
+        let mut h = id("team-b");
+        h.insert("authorization", HeaderValue::from_static("Bearer sk-a"));
+        assert_eq!(tenant(&keyed, &h).unwrap(), "team-a");
+        assert_eq!(
+            tenant(&keyed, &id("team-b")).unwrap_err().status().as_u16(),
+            401
+        );
+        // Without `fairness_header` the header is nothing.
+        let plain = file("[tenants.team-a]\nguaranteed = 0.5\n");
+        assert_eq!(tenant(&plain, &id("team-a")).unwrap(), DEFAULT_TENANT);
+    }
+
+    #[test]
+    fn an_objective_gives_the_class_a_tenant_may_use() {
+        let t = file(
+            "[objective_classes]\nnightly-summaries = \"batch\"\nchat = \"interactive\"\n[tenants.batchy]\nclasses = [\"batch\"]\n",
+        );
+        let obj = |v: &str| headers(&[("x-llm-d-inference-objective", v)]);
+        assert_eq!(
+            class(&t, "default", &obj("nightly-summaries")).unwrap(),
+            Class::Batch
+        );
+        assert_eq!(
+            class(&t, "default", &obj("chat")).unwrap(),
+            Class::Interactive
+        );
+        assert_eq!(
+            class(&t, "default", &obj("unknown")).unwrap(),
+            Class::Interactive
+        );
+        // Not a class this tenant may use: its own first, not a 403 (the
+        // objective is the gateway's word, not the client's).
+        assert_eq!(class(&t, "batchy", &obj("chat")).unwrap(), Class::Batch);
+        // The client's own class header comes first.
+        let mut h = obj("nightly-summaries");
+        h.insert("x-envelope-class", HeaderValue::from_static("interactive"));
+        assert_eq!(class(&t, "default", &h).unwrap(), Class::Interactive);
+        // Another header name, when the tenants file says so.
+        let named =
+            file("objective_header = \"X-Objective\"\n[objective_classes]\nnightly = \"batch\"\n");
+        let h = headers(&[("x-objective", "nightly")]);
+        assert_eq!(class(&named, "default", &h).unwrap(), Class::Batch);
+        assert!(
+            TenantsFile::from_toml("[objective_classes]\n\"a b\" = \"batch\"\n", "t.toml")
+                .unwrap_err()
+                .contains("objective_classes")
+        );
+        assert!(
+            TenantsFile::from_toml("fairness_header = \"a b\"\n", "t.toml")
+                .unwrap_err()
+                .contains("fairness_header")
+        );
     }
 
     #[test]

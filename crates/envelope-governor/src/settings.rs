@@ -118,6 +118,23 @@ pub struct TenantsFile {
     /// governor must then be reachable only through that proxy).
     #[serde(default)]
     pub trusted_header: Option<String>,
+    /// A header an endpoint picker in front sets to the request's fairness
+    /// id (llm-d: `x-llm-d-inference-fairness-id`): the tenant of a request
+    /// while no API keys are configured (a key says otherwise), when it
+    /// names a tenant listed here; any other id is `default`, so a client
+    /// that invents ids gains nothing.
+    #[serde(default)]
+    pub fairness_header: Option<String>,
+    /// The header naming a request's objective (llm-d:
+    /// `x-llm-d-inference-objective`, the default), read for
+    /// `objective_classes`.
+    #[serde(default)]
+    pub objective_header: Option<String>,
+    /// Objective name -> class, for a request without `x-envelope-class`:
+    /// the picker's objectives (and so their priorities) as the governor's
+    /// classes. A class the tenant may not use is not taken.
+    #[serde(default)]
+    pub objective_classes: HashMap<String, Class>,
     #[serde(default = "one")]
     pub default_burst: f64,
     /// The classes of tenants not listed (absent: both).
@@ -134,6 +151,9 @@ impl Default for TenantsFile {
     fn default() -> Self {
         TenantsFile {
             trusted_header: None,
+            fairness_header: None,
+            objective_header: None,
+            objective_classes: HashMap::new(),
             default_burst: 1.0,
             default_classes: None,
             tenants: HashMap::new(),
@@ -187,13 +207,28 @@ impl TenantsFile {
                 "{path}: `default_classes` is empty (leave it out for both)"
             ));
         }
-        if let Some(h) = &t.trusted_header {
-            if axum::http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-                return Err(format!(
-                    "{path}: `trusted_header` `{h}` is not a valid header name"
-                ));
+        for (field, h) in [
+            ("trusted_header", &mut t.trusted_header),
+            ("fairness_header", &mut t.fairness_header),
+            ("objective_header", &mut t.objective_header),
+        ] {
+            if let Some(name) = h {
+                if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                    return Err(format!(
+                        "{path}: `{field}` `{name}` is not a valid header name"
+                    ));
+                }
+                *h = Some(name.to_ascii_lowercase());
             }
-            t.trusted_header = Some(h.to_ascii_lowercase());
+        }
+        if let Some(o) = t
+            .objective_classes
+            .keys()
+            .find(|o| !crate::names::valid_name(o))
+        {
+            return Err(format!(
+                "{path}: `objective_classes`: `{o}` is not a valid objective name (1 to 64 of A-Z a-z 0-9 . _ - : @ /)"
+            ));
         }
         t.index();
         Ok(t)

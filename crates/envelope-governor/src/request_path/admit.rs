@@ -107,6 +107,7 @@ pub(crate) async fn place(
         demand: plan.demand,
         charges: plan.charges.clone(),
         expected_ttft_ms,
+        ttft_objective_ms: inc.slo_ttft_ms,
     };
     // Not admitted: the hold drops unsent and gives everything back.
     let permit = match wait {

@@ -12,6 +12,34 @@ use std::time::{Duration, Instant};
 
 pub const DEADLINE_HEADER: &str = "x-request-deadline-ms";
 const DEADLINE_NAME: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
+/// An endpoint picker's TTFT objective for the request (llm-d's name, then
+/// its older alias), ms: the request's TTFT budget, never above its
+/// class's.
+pub const SLO_TTFT_HEADERS: [&str; 2] = ["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"];
+
+/// The TTFT objective of a request's headers, if any.
+///
+/// # Errors
+/// 400 for a value that is not a positive number of milliseconds.
+pub(crate) fn slo_ttft_ms(h: &axum::http::HeaderMap) -> Result<Option<f64>, GovernError> {
+    let Some((name, v)) = SLO_TTFT_HEADERS
+        .iter()
+        .find_map(|n| h.get(*n).map(|v| (*n, v)))
+    else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map(Some)
+        .ok_or_else(|| {
+            GovernError::invalid(
+                None,
+                format!("header {name} must be a positive number (milliseconds)"),
+            )
+        })
+}
 
 async fn read_body(mut body: Body, limit: usize, timeout_ms: u64) -> Result<Bytes, GovernError> {
     use futures::FutureExt;
@@ -82,6 +110,8 @@ pub(crate) struct Incoming {
     pub deadline: Instant,
     /// The end of its lifetime, queue and answer (max_request_ms).
     pub end: Instant,
+    /// Its TTFT objective from an endpoint picker ([`SLO_TTFT_HEADERS`]).
+    pub slo_ttft_ms: Option<f64>,
 }
 
 impl Incoming {
@@ -99,6 +129,7 @@ impl Incoming {
             arrived: self.arrived,
             deadline: self.deadline,
             end: self.end,
+            slo_ttft_ms: self.slo_ttft_ms,
         }
     }
 }
@@ -152,6 +183,7 @@ pub(crate) async fn read_request(
                 )
             })?,
     };
+    let slo_ttft_ms = slo_ttft_ms(&parts.headers)?;
     // The whole request, queue and answer, ends by its lifetime.
     let end = arrived + Duration::from_millis(settings.max_request_ms);
     Ok(Incoming {
@@ -160,6 +192,7 @@ pub(crate) async fn read_request(
         arrived,
         deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),
         end,
+        slo_ttft_ms,
     })
 }
 

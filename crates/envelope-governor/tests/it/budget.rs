@@ -85,6 +85,58 @@ async fn a_queued_request_gives_up_when_its_ttft_budget_is_spent() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pickers_ttft_objective_tightens_the_budget_and_never_loosens_it() {
+    let g = start(one_seq(), |s| {
+        s.interactive_ttft_budget_ms = Some(1500.0);
+        s.over_budget = OverBudget::Shed;
+    })
+    .await;
+    let held = hold_the_only_sequence(&g).await;
+    let ask = |header: &'static str, ms: &'static str| {
+        let (client, url) = (g.client.clone(), g.url("/v1/completions"));
+        async move {
+            let t0 = std::time::Instant::now();
+            let r = client
+                .post(url)
+                .header(header, ms)
+                .json(&json!({"prompt": [3, 4], "max_tokens": 5}))
+                .send()
+                .await
+                .unwrap();
+            (r, t0.elapsed().as_millis())
+        }
+    };
+    // The picker's 200 ms objective, under the class's 1.5 s: given up at
+    // 200 ms, not 1.5 s.
+    let (r, ms) = ask("x-llm-d-slo-ttft-ms", "200").await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-envelope-reason"], "ttft_budget");
+    assert!((150..1200).contains(&ms), "{ms} ms");
+    // Its older alias too.
+    let (r, ms) = ask("x-slo-ttft-ms", "200").await;
+    assert_eq!(r.headers()["x-envelope-reason"], "ttft_budget");
+    assert!(ms < 1200, "{ms} ms");
+    // Asking for more than the class gets buys nothing: 1.5 s, not 60.
+    let (r, ms) = ask("x-llm-d-slo-ttft-ms", "60000").await;
+    assert_eq!(r.headers()["x-envelope-reason"], "ttft_budget");
+    assert!((1300..5000).contains(&ms), "{ms} ms");
+    // Not a number of milliseconds: 400, naming the header.
+    for bad in ["soon", "0", "-5", "NaN"] {
+        let (r, _) = ask("x-llm-d-slo-ttft-ms", bad).await;
+        assert_eq!(r.status(), 400, "{bad}");
+        let v: Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("x-llm-d-slo-ttft-ms"),
+            "{v}"
+        );
+    }
+    held.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn over_budget_queue_keeps_waiting_past_the_ttft_budget() {
     let g = start(one_seq(), |s| {
         s.interactive_ttft_budget_ms = Some(300.0);
