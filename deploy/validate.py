@@ -45,6 +45,8 @@ import kubernetes_validate.utils as kv
 import yaml
 from referencing import Registry, Resource
 
+import validate_llm_d
+
 from validate_sources import (BENCH_CONFIG, F, GOVERN_ARGS, PROFILE_SCHEMA, ROOT, SWEEP_ARGS,
                               TENANTS, allowed, check_expr, check_toml_fields, flag_value,
                               envelope_env_names, governor_get_paths, governor_labels,
@@ -54,6 +56,11 @@ from validate_sources import (BENCH_CONFIG, F, GOVERN_ARGS, PROFILE_SCHEMA, ROOT
 # the one they are GA in (1.33).
 K8S_VERSIONS = ("1.29.0", "1.33.0")
 CONFIGMAP_MAX = 1 << 20  # the API server's limit on a ConfigMap
+# Directories of deploy/ that hold a variant with its own kustomization.
+VARIANTS = ("llm-d",)
+# YAML files there that are not Kubernetes objects: the kustomizations, the
+# picker's config and the values of its Helm chart (validate_llm_d.py).
+NOT_MANIFESTS = {"kustomization.yaml", "epp-config.yaml", "router-values.yaml"}
 
 
 # ---------------------------------------------------------------- YAML and JSON
@@ -149,11 +156,54 @@ def k8s_definitions(version):
 
 
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "schemas/servicemonitor-monitoring-v1.json"}
+# Kinds whose schema is a CRD's openAPIV3Schema (deploy/schemas/SOURCES.md):
+# the CRD as published, or its schema extracted.
+CRD_OPENAPI = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): "schemas/inferencepool-inference.networking.k8s.io-v1.yaml",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "schemas/httproute-gateway.networking.k8s.io-v1-experimental.json",
+}
+
+
+def closed(schema):
+    """A CRD's structural schema with unknown fields refused (the API
+    server prunes them silently; a typo should fail here instead)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def openapi_schema(path, api_version):
+    """The served version's openAPIV3Schema of a CRD file, or an extracted
+    schema as it is; closed, with `metadata` open (the API server's)."""
+    text = read(path)
+    if path.endswith(".json"):
+        schema = json.loads(text)
+    else:
+        crd = yaml.safe_load(text)
+        version = api_version.split("/")[-1]
+        schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"]
+                      if v["name"] == version and v.get("served"))
+    schema = closed(schema)
+    schema.get("properties", {})["metadata"] = {"type": "object"}
+    return schema
 
 
 def validate_object(obj, file, deploy_dir):
     where = f"{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
     crd = CRD_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+    openapi = CRD_OPENAPI.get((obj.get("apiVersion"), obj.get("kind")))
+    if openapi:
+        schema = openapi_schema(os.path.join(deploy_dir, openapi), obj["apiVersion"])
+        for e in jsonschema.Draft202012Validator(schema).iter_errors(obj):
+            path = ".".join(str(p) for p in e.absolute_path) or "(top)"
+            F.add(file, f"{where} {path}", f"{e.message} ({openapi}, closed)")
+        return
     for version in K8S_VERSIONS:
         try:
             if crd:
@@ -442,18 +492,23 @@ def main():
     ctx = {"govern_flags": gflags, "govern_envs": genvs, "sweep_flags": sflags, "pvcs": set(),
            "vllm": [], "wanted_keys": [], "profile": None, "envs": envelope_env_names()}
 
-    objects, validated = [], set()
-    for fn in sorted(os.listdir(deploy_dir)):
-        if not fn.endswith((".yaml", ".yml")) or fn == "kustomization.yaml":
-            continue
-        path = os.path.join(deploy_dir, fn)
-        validated.add(path)
-        for i, d in enumerate(load_yaml(path)):
-            if not isinstance(d, dict) or not all(k in d for k in ("apiVersion", "kind", "metadata")):
-                F.add(rel(path), f"document {i}", "not a Kubernetes object (apiVersion, kind, metadata)")
+    # deploy/ and its variants (deploy/llm-d/), each with its kustomization;
+    # the schemas live in deploy/schemas/ for all.
+    variants = [deploy_dir] + [os.path.join(deploy_dir, d) for d in VARIANTS
+                               if os.path.isdir(os.path.join(deploy_dir, d))]
+    objects, validated, generated = [], set(), {}
+    for vdir in variants:
+        for fn in sorted(os.listdir(vdir)):
+            if not fn.endswith((".yaml", ".yml")) or fn in NOT_MANIFESTS:
                 continue
-            validate_object(d, rel(path), deploy_dir)
-            objects.append((rel(path), d))
+            path = os.path.join(vdir, fn)
+            validated.add(path)
+            for i, d in enumerate(load_yaml(path)):
+                if not isinstance(d, dict) or not all(k in d for k in ("apiVersion", "kind", "metadata")):
+                    F.add(rel(path), f"document {i}", "not a Kubernetes object (apiVersion, kind, metadata)")
+                    continue
+                validate_object(d, rel(path), deploy_dir)
+                objects.append((rel(path), d))
     if not objects:
         F.add(rel(deploy_dir), "(files)", "no Kubernetes manifests found")
     by_kind = {}
@@ -461,8 +516,12 @@ def main():
         by_kind.setdefault(o["kind"], []).append((file, o))
     ctx["pvcs"] = {o["metadata"].get("name") for _, o in by_kind.get("PersistentVolumeClaim", [])}
     configmaps = {o["metadata"].get("name"): o.get("data") or {} for _, o in by_kind.get("ConfigMap", [])}
-    kpath = os.path.join(deploy_dir, "kustomization.yaml")
-    generated = check_kustomization(kpath, deploy_dir, ctx, validated) if os.path.exists(kpath) else {}
+    for vdir in variants:
+        kpath = os.path.join(vdir, "kustomization.yaml")
+        if os.path.exists(kpath):
+            generated.update(check_kustomization(kpath, vdir, ctx, validated))
+        else:
+            F.add(rel(kpath), "(file)", "missing")
 
     for file, o in objects:
         spec = pod_specs(o)
@@ -582,12 +641,18 @@ def main():
     dockerfile = os.path.join(deploy_dir, "Dockerfile")
     if os.path.exists(dockerfile):
         check_dockerfile(dockerfile, ctx)
+    picker = []
+    for vdir in variants[1:]:
+        mine = [(f, o) for f, o in objects if os.path.dirname(os.path.join(ROOT, f)) == vdir]
+        picker.append(validate_llm_d.check(vdir, mine, exposed, labels,
+                                           lambda o: [(role(c), c) for _, c in all_containers(pod_specs(o))]))
 
     took = time.monotonic() - t0
     kinds = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_kind.items()))
     print(f"deploy: {len(validated)} manifest files ({kinds}) against Kubernetes "
           f"{' and '.join(K8S_VERSIONS)} (strict); {count} dashboard queries against "
-          f"{len(exposed)} governor series; {len(gflags)} govern flags, {len(sflags)} sweep flags")
+          f"{len(exposed)} governor series; {len(gflags)} govern flags, {len(sflags)} sweep flags"
+          + "".join(f"; {p}" for p in picker))
     if F.items:
         for item in F.items:
             print("FAIL " + item, file=sys.stderr)
