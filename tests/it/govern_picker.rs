@@ -108,6 +108,10 @@ async fn wait_for(
 /// The gauges a picker routes on, from one page.
 #[derive(Debug, Clone, Copy)]
 struct PodGauges {
+    /// Requests at the pod, from the same reading of the bookkeeping as
+    /// the gauges below (`envelope_governor_in_flight_requests` is set
+    /// apart from them, and may be a request ahead); where the governor's
+    /// queue is empty, the requests in flight.
     in_flight: f64,
     saturation: f64,
     headroom: f64,
@@ -118,7 +122,7 @@ struct PodGauges {
 impl PodGauges {
     fn of(s: &Scrape) -> PodGauges {
         let g = PodGauges {
-            in_flight: s.value("envelope_governor_in_flight_requests"),
+            in_flight: at_pod(s),
             saturation: s.value("envelope_governor_saturation"),
             headroom: s.value("envelope_governor_admission_headroom"),
             kv_ratio: s.value("envelope_governor_kv_reserved_ratio"),
@@ -130,6 +134,12 @@ impl PodGauges {
         assert!((g.saturation + g.headroom - 1.0).abs() < 1e-9, "{g:?}");
         g
     }
+}
+
+/// Requests at the pod in one page's pod gauges: queued and running.
+fn at_pod(s: &Scrape) -> f64 {
+    s.value("envelope_governor_pod_queued_requests")
+        + s.value("envelope_governor_pod_running_requests")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -148,10 +158,7 @@ async fn the_gauges_reach_one_exactly_when_the_governor_starts_queuing() {
     let mut last = idle;
     for k in 1..=c {
         held.push(hold(&client, &g.base));
-        let s = wait_for(&client, &g.base, "admitted", |s| {
-            s.value("envelope_governor_in_flight_requests") == k as f64
-        })
-        .await;
+        let s = wait_for(&client, &g.base, "admitted", |s| at_pod(s) == k as f64).await;
         let now = PodGauges::of(&s);
         assert!(now.kv_ratio > last.kv_ratio, "{last:?} then {now:?}");
         if k < c {
@@ -176,7 +183,7 @@ async fn the_gauges_reach_one_exactly_when_the_governor_starts_queuing() {
     // One more waits in the governor's queue, and the pod's queue shows it.
     held.push(hold(&client, &g.base));
     let s = wait_for(&client, &g.base, "queued", |s| {
-        s.value("envelope_governor_queued_requests") == 1.0
+        s.value("envelope_governor_queued_requests") == 1.0 && at_pod(s) > c as f64
     })
     .await;
     assert_eq!(s.value("envelope_governor_in_flight_requests"), c as f64);
@@ -185,11 +192,7 @@ async fn the_gauges_reach_one_exactly_when_the_governor_starts_queuing() {
     for h in &held {
         h.abort();
     }
-    let s = wait_for(&client, &g.base, "released", |s| {
-        s.value("envelope_governor_in_flight_requests") == 0.0
-            && s.value("envelope_governor_queued_requests") == 0.0
-    })
-    .await;
+    let s = wait_for(&client, &g.base, "released", |s| at_pod(s) == 0.0).await;
     assert_eq!(PodGauges::of(&s).saturation, 0.0);
 }
 
@@ -320,4 +323,105 @@ async fn two_replicas_of_different_measured_capacity_order_by_what_they_can_stil
         percentile(&took, 0.99),
         took[took.len() - 1]
     );
+}
+
+/// The committed picker config (`deploy/llm-d/epp-config.yaml`).
+fn picker_config() -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/llm-d/epp-config.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The plugin of `kind` in a picker config.
+fn plugin<'a>(cfg: &'a Value, kind: &str) -> &'a Value {
+    cfg["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} plugin"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_committed_picker_config_reads_a_governors_page() {
+    let cfg = picker_config();
+    let engines = plugin(&cfg, "core-metrics-extractor")["parameters"]["engineConfigs"]
+        .as_array()
+        .unwrap();
+    let engine = engines
+        .iter()
+        .find(|e| e["name"] == "envelope-governor")
+        .expect("an engineConfigs entry for governed pods");
+    let threshold = plugin(&cfg, "utilization-detector")["parameters"]["kvCacheUtilThreshold"]
+        .as_f64()
+        .unwrap();
+    let spec = |field: &str| engine[field].as_str().unwrap().to_string();
+    let headroom_spec = engine["customMetrics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["attributeKey"] == "envelope-headroom")
+        .map(|c| c["metricSpec"].as_str().unwrap().to_string())
+        .expect("the headroom custom metric");
+
+    let (small, _) = measured();
+    let c = safe_concurrency(small);
+    let server = SlowServer::start_named("tiny", SMALL_BLOCKS * BLOCK_BYTES, 64, 100).await;
+    let dir = temp_dir("envelope-picker", "config");
+    let g = Governor::start(&dir, small, &server.base, &["--engine-metrics", "true"]);
+    let client = reqwest::Client::new();
+    let mut held = vec![];
+    for k in 1..=c {
+        held.push(hold(&client, &g.base));
+        let page = wait_for(&client, &g.base, "admitted", |s| at_pod(s) == k as f64).await;
+        // Each spec the picker reads of the governor: a gauge it can parse,
+        // in its range. vLLM's own series (LoRA, cache config) come through
+        // --engine-metrics from vLLM; the upstream here is envelope serve,
+        // whose own series come through in their place.
+        let read = |spec: &str| -> Option<f64> {
+            if spec.starts_with("vllm:") {
+                assert!(
+                    page.samples.contains_key("envelope:num_requests_running"),
+                    "{spec}"
+                );
+                return None;
+            }
+            let (v, kind) = page.select(spec).unwrap();
+            assert_eq!(kind, "Gauge", "{spec}: the picker reads 0 from a {kind}");
+            Some(v)
+        };
+        let queued = read(&spec("queuedRequestsSpec")).unwrap();
+        let running = read(&spec("runningRequestsSpec")).unwrap();
+        let usage = read(&spec("kvUsageSpec")).unwrap();
+        let headroom = read(&headroom_spec).unwrap();
+        for f in ["loraSpec", "cacheInfoSpec"] {
+            if engine[f].is_string() {
+                assert_eq!(
+                    read(&spec(f)),
+                    None,
+                    "{f}: only vLLM's series are passed through by name"
+                );
+            }
+        }
+        // Nothing waits in the governor: what the engine has not yet
+        // scheduled (a request arriving mid-step) moves from running to
+        // queued, and each request is counted once.
+        assert_eq!(
+            queued + running,
+            k as f64,
+            "{k}: queued {queued}, running {running}"
+        );
+        assert!((0.0..=1.0).contains(&usage) && (0.0..=1.0).contains(&headroom));
+        assert!((usage + headroom - 1.0).abs() < 1e-9, "{usage} {headroom}");
+        // The detector's threshold is this pod's own limit: crossed exactly
+        // when the governor would queue the next request.
+        assert_eq!(
+            usage >= threshold,
+            k == c,
+            "{k} of {c}: usage {usage}, threshold {threshold}"
+        );
+    }
+    for h in &held {
+        h.abort();
+    }
 }
