@@ -7,7 +7,10 @@
 //! `cargo run --release -p envelope-governor --example overhead -- [SECONDS] [RATE...]`
 //! (`ENVELOPE_OVERHEAD_REPS`, default 3, alternating runs per path; medians reported;
 //! `ENVELOPE_OVERHEAD_RECORD=1` adds a third path, a second governor with
-//! `--record` to a temporary file, and reports what recording adds)
+//! `--record` to a temporary file, and reports what recording adds;
+//! `ENVELOPE_OVERHEAD_SCRAPE=1` scrapes the governed path's `/metrics` every
+//! 50 ms during its runs, as an endpoint picker does, and reports how long a
+//! page takes under that load)
 //! (scripts/govern-overhead.sh runs it). Upstream, governor and load
 //! generator each get their own runtime thread(s) in this process.
 
@@ -90,6 +93,27 @@ async fn open_loop(url: String, rate: f64, secs: f64) -> Run {
     }
 }
 
+/// GETs `url` every 50 ms until `stop`, timing each page (request sent to
+/// body read), in microseconds.
+async fn scrape_every_50ms(
+    url: String,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Histogram<u64> {
+    let client = reqwest::Client::new();
+    let mut hist = Histogram::<u64>::new(3).unwrap();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let t0 = Instant::now();
+        if let Ok(r) = client.get(&url).send().await {
+            if r.status().is_success() && r.bytes().await.is_ok() {
+                hist.record((t0.elapsed().as_micros() as u64).max(1))
+                    .unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    hist
+}
+
 fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
@@ -120,6 +144,7 @@ fn main() {
     // The governor, with limits that never bind (overhead only), counting
     // tokens by the labelled estimate (no extra round trip).
     let record = std::env::var_os("ENVELOPE_OVERHEAD_RECORD").is_some();
+    let scrape = std::env::var_os("ENVELOPE_OVERHEAD_SCRAPE").is_some();
     let gov_rt = runtime(1);
     let start_governor = |recorder: Option<Arc<envelope_governor::recorder::Recorder>>| {
         gov_rt.block_on(async {
@@ -179,6 +204,7 @@ fn main() {
     );
     let mut summary = vec![];
     let mut recorded_summary = vec![];
+    let mut scrapes = vec![];
     for &rate in &rates {
         let mut paths = vec![("direct", upstream.clone()), ("governed", governed.clone())];
         if let Some(r) = &recorded {
@@ -199,7 +225,15 @@ fn main() {
             for j in 0..paths.len() {
                 let k = (j + rep) % paths.len();
                 let (name, base) = &paths[k];
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let scraper = (scrape && *name == "governed").then(|| {
+                    client_rt.spawn(scrape_every_50ms(format!("{base}/metrics"), stop.clone()))
+                });
                 let r = client_rt.block_on(open_loop(format!("{base}/v1/completions"), rate, secs));
+                if let Some(t) = scraper {
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    scrapes.push((rate, client_rt.block_on(t).unwrap()));
+                }
                 let thr = r.ok as f64 / r.wall_s;
                 println!(
                     "{:>10.0} | {:>8} | {:>7} | {:>7} | {:>12.1} | {:>8.3} | {:>8.3} | {:>8.3}",
@@ -278,6 +312,27 @@ fn main() {
             println!("{rate:>10.0} | {g:>18.3} | {rec:>18.3} | {:>14.3}", rec - g);
         }
         let _ = std::fs::remove_file(&record_file);
+    }
+    if !scrapes.is_empty() {
+        println!();
+        println!("/metrics of the governed path, scraped every 50 ms during its runs:");
+        println!(
+            "{:>10} | {:>8} | {:>8} | {:>8} | {:>8}",
+            "rate req/s", "pages", "p50 ms", "p99 ms", "max ms"
+        );
+        for &rate in &rates {
+            let mut all = Histogram::<u64>::new(3).unwrap();
+            for (_, h) in scrapes.iter().filter(|(r, _)| *r == rate) {
+                all.add(h).unwrap();
+            }
+            println!(
+                "{rate:>10.0} | {:>8} | {:>8.3} | {:>8.3} | {:>8.3}",
+                all.len(),
+                ms(all.value_at_quantile(0.5)),
+                ms(all.value_at_quantile(0.99)),
+                ms(all.max())
+            );
+        }
     }
     let own = &gov.state_json()["added_latency_us"];
     println!();
