@@ -34,6 +34,12 @@ VENDOR = "deploy/schemas/vendor/llm-d-router"
 ENGINE_LABEL = "llm-d.ai/engine-type"  # the extractor's default engineLabelKey
 SPEC_FIELDS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec",
                "cacheInfoSpec", "cacheBlockSizeSpec", "cacheNumBlocksSpec")
+# The fields that may read vLLM's own series (passed through by
+# --engine-metrics): what it serves besides load. Load is the governor's.
+ENGINE_FIELDS = ("loraSpec", "cacheInfoSpec")
+# Plugins the picker injects a default of unless one of exactly this name
+# exists (ensureDataLayer): renamed, a second, vLLM-reading one appears.
+DEFAULT_NAMED = ("metrics-data-source", "core-metrics-extractor")
 # The picker's spec grammar (vendor/llm-d-router/spec.go), and Prometheus'
 # legacy name rules.
 SPEC_RE = re.compile(r"^\s*(\S+?)\s*(?:\{([^}]*)\})?\s*$")
@@ -116,6 +122,8 @@ def check_epp_config(cfg, file, exposed, labels):
         if name in plugins:
             F.add(file, where + ".name", f"{name} names two plugins")
         plugins[name] = p
+        if t in DEFAULT_NAMED and name != t:
+            F.add(file, where + ".name", f"must be {t} (or left out): under another name the picker adds a default {t} beside it")
         if t not in types:
             F.add(file, where + ".type", f"{t}: a type deploy/schemas does not describe ({', '.join(sorted(types))})")
             continue
@@ -152,12 +160,14 @@ def check_epp_config(cfg, file, exposed, labels):
                 except ValueError as e:
                     F.add(file, f"{ew}.{field}", str(e))
                     continue
-                if name in passed:
+                if name in passed and field in ENGINE_FIELDS:
                     continue
-                if name not in exposed:
+                if name in passed:
+                    F.add(file, f"{ew}.{field}", f"{name} is vLLM's: a governed pod's load is read from the governor's gauges (vLLM's series only for {', '.join(ENGINE_FIELDS)})")
+                elif name not in exposed:
                     F.add(file, f"{ew}.{field}", f"{name} is neither a series the governor registers nor one of vLLM's the picker reads ({', '.join(sorted(passed))})")
                 elif exposed[name][1] != "gauge":
-                    F.add(file, f"{ew}.{field}", f"{name} is a {exposed[name][1]}, not a gauge (the picker reads a gauge's value)")
+                    F.add(file, f"{ew}.{field}", f"{name} is a {exposed[name][1]}, not a gauge of the pod's state now")
                 for label in want:
                     if label not in labels:
                         F.add(file, f"{ew}.{field}", f"label {label} is set on no governor series")
@@ -249,6 +259,8 @@ def check(variant_dir, objects, exposed, labels, pod_containers):
             retry = rule.get("retry")
             if retry is None:
                 continue
+            if "attempts" not in retry:
+                F.add(rf, f"{rw} spec.rules[{i}].retry.attempts", "missing: the default is the gateway's, and may exceed the endpoints the picker lists")
             if set(retry.get("codes") or []) != {429}:
                 F.add(rf, f"{rw} spec.rules[{i}].retry.codes", "429 only: a 5xx may come after the upstream started the work")
             if retry.get("attempts", 1) >= listed:

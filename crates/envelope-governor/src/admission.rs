@@ -114,6 +114,8 @@ pub struct Governor {
     /// The engine's waiting requests at its last reading
     /// (`pod_load::WAITING_UNKNOWN` when none).
     engine_waiting: AtomicU64,
+    /// Held while a scrape sets the pod gauges and renders the page.
+    scrape: Mutex<()>,
     upstream_errors: AtomicU64,
     upstream_errors_seen: AtomicU64,
     /// Arrival to upstream send, microseconds (HDR: exact percentiles for /admin/state).
@@ -225,6 +227,7 @@ impl Governor {
             epoch: Instant::now(),
             last_upstream_kv_milli: AtomicU64::new(0),
             engine_waiting: AtomicU64::new(pod_load::WAITING_UNKNOWN),
+            scrape: Mutex::new(()),
             upstream_errors: AtomicU64::new(0),
             upstream_errors_seen: AtomicU64::new(0),
             added_latency_us: Mutex::new(

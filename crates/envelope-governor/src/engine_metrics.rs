@@ -46,21 +46,35 @@ impl EngineMetrics {
             let mut failing: Option<String> = None;
             loop {
                 let page = client.text().await;
-                match page {
-                    Ok(text) => {
-                        let state = envelope_telemetry::parse_engine_state(&text);
-                        gov.note_engine_waiting(state.ok().and_then(|s| s.waiting));
+                // A page that is not Prometheus text (an error page with a
+                // 200) is not passed on: appended to the governor's, it
+                // would make the picker reject the whole page and read the
+                // pod as stale, hence saturated.
+                let parsed =
+                    page.and_then(|text| match envelope_telemetry::parse_engine_state(&text) {
+                        Ok(state) => Ok((text, state.waiting)),
+                        Err(envelope_telemetry::MetricsError::UnknownEngine) => Ok((text, None)),
+                        Err(e) => Err(e),
+                    });
+                match parsed {
+                    Ok((text, waiting)) => {
+                        gov.note_engine_waiting(waiting);
                         poller.store(text);
                         if failing.take().is_some() {
                             tracing::info!("--engine-metrics: {} answers again", client.url());
                         }
                     }
                     Err(e) => {
-                        gov.note_engine_waiting(None);
+                        // The last count holds while its page is served;
+                        // past that it is unknown, as the page is.
+                        if poller.fresh().is_none() {
+                            gov.note_engine_waiting(None);
+                        }
                         let e = e.to_string();
                         if failing.as_deref() != Some(&e) {
                             tracing::warn!(
-                                "--engine-metrics: {e}; the engine's series are left out until it answers"
+                                "--engine-metrics: {e}; the engine's series are left out once its last page is {} ms old",
+                                poller.stale_after.as_millis()
                             );
                             failing = Some(e);
                         }
@@ -193,6 +207,33 @@ envelope_governor_odd{envelope_governor_odd=\"a\"} 1
         ));
         assert!(t.contains("# TYPE envelope_governor_odd untyped\n"));
         // Every sample line belongs to the family its last TYPE named.
+        let mut family = "";
+        for line in t.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+            } else if !line.starts_with('#') {
+                assert!(line.starts_with(family), "{line} after TYPE {family}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_governors_own_page_converts_whole() {
+        // The real registry: every sample under its family's TYPE, and no
+        // exemplar (` # {...}` after a value), which the classic format
+        // lacks and a picker's parser would reject the page for.
+        let m = crate::metrics::Metrics::new();
+        m.reject("queue_full");
+        let t = to_classic_text(&m.render());
+        assert!(!t.contains(" # {"), "{t}");
+        assert!(
+            t.contains("# TYPE envelope_governor_rejections_total counter\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("# TYPE envelope_governor_saturation gauge\n"),
+            "{t}"
+        );
         let mut family = "";
         for line in t.lines() {
             if let Some(rest) = line.strip_prefix("# TYPE ") {

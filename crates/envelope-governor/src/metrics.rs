@@ -248,7 +248,7 @@ impl Metrics {
         );
         reg!(
             "envelope_governor_saturation",
-            "How full this pod is against its own measured limit (0..1): 1 exactly when the next request would wait or be refused",
+            "How full this pod is against its own measured limit (0..1): 1 exactly when the governor queues, refuses everything new, or would not admit a request of the profile's cheapest measured shape",
             m.saturation
         );
         reg!(

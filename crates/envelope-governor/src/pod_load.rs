@@ -24,10 +24,14 @@ pub struct PodLoad {
     pub envelope_used: u64,
     pub envelope_limit: u64,
     /// Units one sequence of the cheapest bucket costs: with less free
-    /// than this, no request of any shape is admitted.
+    /// than this, no request of any measured shape is admitted.
     pub cheapest_sequence: u64,
     pub kv_reserved: u64,
     pub kv_limit: u64,
+    /// KV tokens of one sequence of the smallest bucket (its prompt and
+    /// output): with less free than this, no request of that whole shape
+    /// fits.
+    pub smallest_sequence_kv: u64,
     pub sequences: u64,
     pub sequence_limit: u64,
     /// The governor refuses every new request (draining, or the live
@@ -36,17 +40,23 @@ pub struct PodLoad {
 }
 
 impl PodLoad {
+    /// The engine's waiting requests that are this governor's: no more
+    /// than it has in flight (a reading from a moment ago may say more).
+    fn engine_waiting_in_flight(&self) -> u64 {
+        self.engine_waiting.unwrap_or(0).min(self.in_flight)
+    }
+
     /// Everything waiting at this pod: the governor's queue and the
     /// engine's own.
     pub fn queued_requests(&self) -> u64 {
-        self.governor_queued + self.engine_waiting.unwrap_or(0)
+        self.governor_queued + self.engine_waiting_in_flight()
     }
 
     /// Requests the engine is running: in flight less those it reports
-    /// waiting (so that queued + running counts each request once).
+    /// waiting, so that queued + running is the governor's queue plus its
+    /// requests in flight, each request once.
     pub fn running_requests(&self) -> u64 {
-        self.in_flight
-            .saturating_sub(self.engine_waiting.unwrap_or(0))
+        self.in_flight - self.engine_waiting_in_flight()
     }
 
     /// KV tokens reserved over the KV budget in force, 0..1.
@@ -55,15 +65,18 @@ impl PodLoad {
     }
 
     /// How full the pod is against its measured limit, 0..1: the fullest
-    /// of its envelope, KV budget and sequence cap; 1.0 exactly when the
-    /// governor would not admit another request now (something waits in
-    /// its queue, too little of the envelope is left for the cheapest
-    /// shape, a cap is reached, or it refuses everything new).
+    /// of its envelope, KV budget and sequence cap. 1.0 exactly when the
+    /// governor queues (something waits in its queue), refuses everything
+    /// new, or would not admit a request of the profile's cheapest measured
+    /// shape (too little of the envelope or the KV budget left for one
+    /// sequence of it, or the sequence cap reached). A request larger than
+    /// that shape may wait below 1.0; once one does, it reads 1.0.
     pub fn saturation(&self) -> f64 {
         let envelope_full =
             self.envelope_limit.saturating_sub(self.envelope_used) < self.cheapest_sequence.max(1);
         let sequences_full = self.sequences >= self.sequence_limit;
-        let kv_full = self.kv_reserved >= self.kv_limit;
+        let kv_full =
+            self.kv_limit.saturating_sub(self.kv_reserved) < self.smallest_sequence_kv.max(1);
         if self.refusing_new
             || self.governor_queued > 0
             || envelope_full
@@ -78,7 +91,7 @@ impl PodLoad {
     }
 
     /// The share of the pod's measured capacity still free to admit, 0..1
-    /// (`1 - saturation`): 0 when the next request would wait or be refused.
+    /// (`1 - saturation`).
     pub fn admission_headroom(&self) -> f64 {
         1.0 - self.saturation()
     }
@@ -104,6 +117,7 @@ mod tests {
             envelope_limit: UNITS,
             cheapest_sequence: UNITS / c,
             kv_limit: 10_000,
+            smallest_sequence_kv: 100,
             sequence_limit: 64,
             ..PodLoad::default()
         }
@@ -150,6 +164,19 @@ mod tests {
         };
         assert_eq!(kv.kv_reserved_ratio(), 1.0);
         assert_eq!(kv.saturation(), 1.0);
+        // Less KV free than one sequence of the smallest bucket: no whole
+        // request of it fits, though the ratio is short of 1.
+        let kv_short = PodLoad {
+            kv_reserved: 9_901,
+            ..base
+        };
+        assert!(kv_short.kv_reserved_ratio() < 1.0);
+        assert_eq!(kv_short.saturation(), 1.0);
+        let kv_room = PodLoad {
+            kv_reserved: 9_900,
+            ..base
+        };
+        assert!(kv_room.saturation() < 1.0);
         let seqs = PodLoad {
             sequence_limit: 2,
             ..base
@@ -190,12 +217,16 @@ mod tests {
         };
         assert_eq!(p.queued_requests(), 5);
         assert_eq!(p.running_requests(), 2);
-        // A stale engine count above what is in flight clamps at zero.
+        // A stale engine count above what is in flight counts only those:
+        // queued + running is still the queue plus the requests in flight.
         let stale = PodLoad {
+            governor_queued: 1,
             engine_waiting: Some(9),
             ..holding(8, 5)
         };
         assert_eq!(stale.running_requests(), 0);
+        assert_eq!(stale.queued_requests(), 6);
         assert_eq!(holding(8, 5).running_requests(), 5);
+        assert_eq!(holding(8, 5).queued_requests(), 0);
     }
 }

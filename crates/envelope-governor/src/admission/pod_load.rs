@@ -24,13 +24,17 @@ impl Governor {
     /// A snapshot of what the pod holds against what it may take now.
     pub fn pod_load(&self) -> PodLoad {
         let settings = self.settings();
-        let cheapest_sequence = settings
-            .limits
-            .buckets
+        let buckets = &settings.limits.buckets;
+        let cheapest_sequence = buckets
             .iter()
             .map(|b| units_per_sequence(b.safe_concurrency))
             .min()
             .unwrap_or(units_per_sequence(1));
+        let smallest_sequence_kv = buckets
+            .iter()
+            .map(|b| b.input_tokens + b.output_tokens)
+            .min()
+            .unwrap_or(1);
         let waiting = self.engine_waiting.load(Ordering::Relaxed);
         let g = self.lock();
         let (used, cap) = (g.ledger.used(), g.ledger.capacity());
@@ -43,14 +47,24 @@ impl Governor {
             cheapest_sequence,
             kv_reserved: used.kv_tokens,
             kv_limit: cap.kv_tokens,
+            smallest_sequence_kv,
             sequences: used.seqs,
             sequence_limit: cap.seqs,
             refusing_new: self.is_draining() || g.ladder.level() == Level::RejectNew,
         }
     }
 
-    /// Sets the pod gauges from [`Governor::pod_load`] (before each scrape).
-    pub fn publish_pod_load(&self) {
+    /// The metrics page: the pod gauges set from one [`Governor::pod_load`]
+    /// and rendered before another scrape may set them again (two pickers
+    /// and Prometheus scraping at once each get one reading, whole).
+    pub fn render_metrics(&self) -> String {
+        let _one = self.scrape.lock().unwrap_or_else(|e| e.into_inner());
+        self.publish_pod_load();
+        self.metrics.render()
+    }
+
+    /// Sets the pod gauges from [`Governor::pod_load`].
+    fn publish_pod_load(&self) {
         let p = self.pod_load();
         let m = &self.metrics;
         m.pod_queued_requests.set(p.queued_requests() as i64);

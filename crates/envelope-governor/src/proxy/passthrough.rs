@@ -22,8 +22,7 @@ pub(super) async fn metrics(State(s): State<Arc<AppState>>, req: Request) -> Res
             return reject(&s, e);
         }
     }
-    s.gov.publish_pod_load();
-    let own = s.gov.metrics.render();
+    let own = s.gov.render_metrics();
     match &s.engine_metrics {
         Some(engine) => (
             [(axum::http::header::CONTENT_TYPE, CLASSIC_TEXT)],

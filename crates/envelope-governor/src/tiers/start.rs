@@ -240,10 +240,9 @@ async fn metrics(State(r): State<Arc<TierRouter>>) -> Response {
     let live = r.live();
     let mut parts = vec![(vec![], r.metrics.render())];
     for (t, i, u) in live.all_upstreams() {
-        u.app.gov.publish_pod_load();
         parts.push((
             labels(&[("tier", &t.name), ("upstream", &i.to_string())]),
-            u.app.gov.metrics.render(),
+            u.app.gov.render_metrics(),
         ));
     }
     (
