@@ -191,6 +191,18 @@ envelope_governor_odd{envelope_governor_odd=\"a\"} 1
 # EOF
 ";
 
+    /// Every sample line belongs to the family its last `# TYPE` named.
+    fn samples_follow_their_type(page: &str) {
+        let mut family = "";
+        for line in page.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+            } else if !line.starts_with('#') {
+                assert!(line.starts_with(family), "{line} after TYPE {family}");
+            }
+        }
+    }
+
     #[test]
     fn each_family_is_named_as_its_samples_in_the_classic_format() {
         let t = to_classic_text(OM);
@@ -206,15 +218,7 @@ envelope_governor_odd{envelope_governor_odd=\"a\"} 1
             "# TYPE envelope_governor_queue_age histogram\nenvelope_governor_queue_age_sum"
         ));
         assert!(t.contains("# TYPE envelope_governor_odd untyped\n"));
-        // Every sample line belongs to the family its last TYPE named.
-        let mut family = "";
-        for line in t.lines() {
-            if let Some(rest) = line.strip_prefix("# TYPE ") {
-                family = rest.split(' ').next().unwrap();
-            } else if !line.starts_with('#') {
-                assert!(line.starts_with(family), "{line} after TYPE {family}");
-            }
-        }
+        samples_follow_their_type(&t);
     }
 
     #[test]
@@ -234,14 +238,7 @@ envelope_governor_odd{envelope_governor_odd=\"a\"} 1
             t.contains("# TYPE envelope_governor_saturation gauge\n"),
             "{t}"
         );
-        let mut family = "";
-        for line in t.lines() {
-            if let Some(rest) = line.strip_prefix("# TYPE ") {
-                family = rest.split(' ').next().unwrap();
-            } else if !line.starts_with('#') {
-                assert!(line.starts_with(family), "{line} after TYPE {family}");
-            }
-        }
+        samples_follow_their_type(&t);
     }
 
     #[test]
