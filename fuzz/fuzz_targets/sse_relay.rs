@@ -68,6 +68,7 @@ fuzz_target!(|data: &[u8]| {
                 },
                 charges: vec![],
                 expected_ttft_ms: None,
+                ttft_objective_ms: None,
             })
             .await
             .expect("an idle governor admits");
