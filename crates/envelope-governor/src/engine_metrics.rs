@@ -228,7 +228,21 @@ envelope_governor_odd{envelope_governor_odd=\"a\"} 1
         // lacks and a picker's parser would reject the page for.
         let m = crate::metrics::Metrics::new();
         m.reject("queue_full");
-        let t = to_classic_text(&m.render());
+        let page = m.render();
+        // Without --engine-metrics the OpenMetrics page itself is served,
+        // and llm-d's picker reads it with expfmt's classic parser, which
+        // takes `# EOF`/`# UNIT` as comments and a counter's `_total`
+        // samples as a family of their own, but refuses a type it does not
+        // know: no `info` or `stateset` family may appear.
+        for kind in ["info", "stateset"] {
+            assert!(
+                !page
+                    .lines()
+                    .any(|l| l.starts_with("# TYPE ") && l.ends_with(&format!(" {kind}"))),
+                "{page}"
+            );
+        }
+        let t = to_classic_text(&page);
         assert!(!t.contains(" # {"), "{t}");
         assert!(
             t.contains("# TYPE envelope_governor_rejections_total counter\n"),
