@@ -16,15 +16,21 @@ const DEADLINE_NAME: HeaderName = HeaderName::from_static(DEADLINE_HEADER);
 /// its older alias), ms: the request's TTFT budget, never above its
 /// class's.
 pub const SLO_TTFT_HEADERS: [&str; 2] = ["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"];
+/// [`SLO_TTFT_HEADERS`] as names: read on every request, and a lookup by
+/// text parses the name each time.
+static SLO_TTFT_NAMES: [HeaderName; 2] = [
+    HeaderName::from_static(SLO_TTFT_HEADERS[0]),
+    HeaderName::from_static(SLO_TTFT_HEADERS[1]),
+];
 
 /// The TTFT objective of a request's headers, if any.
 ///
 /// # Errors
 /// 400 for a value that is not a positive number of milliseconds.
 pub(crate) fn slo_ttft_ms(h: &axum::http::HeaderMap) -> Result<Option<f64>, GovernError> {
-    let Some((name, v)) = SLO_TTFT_HEADERS
+    let Some((name, v)) = SLO_TTFT_NAMES
         .iter()
-        .find_map(|n| h.get(*n).map(|v| (*n, v)))
+        .find_map(|n| h.get(n).map(|v| (n.as_str(), v)))
     else {
         return Ok(None);
     };
