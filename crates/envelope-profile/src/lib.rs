@@ -16,4 +16,4 @@ pub mod workload;
 
 pub use quality::QualityReport;
 pub use schema::*;
-pub use search::{Bracket, LevelSearch, LevelStep, LevelVerdict, Step};
+pub use search::{LevelSearch, LevelStep, LevelVerdict};

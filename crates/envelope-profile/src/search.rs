@@ -1,68 +1,8 @@
-//! The search for the largest concurrency that meets every SLO: an
-//! exponential probe up to the first breach, then bisection between the
-//! largest feasible and the smallest infeasible level (AIPerf's
-//! max-concurrency-under-SLA search), and [`LevelSearch`], the same search
-//! with its two ends decided at a confidence. Plain state, no I/O.
-
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Bracket {
-    pub min: u32,
-    pub max: u32,
-    /// Largest level that met every SLO.
-    pub feasible: Option<u32>,
-    /// Smallest level that breached one.
-    pub infeasible: Option<u32>,
-    pub probes: u32,
-}
-
-/// What to do next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    Probe(u32),
-    Done,
-}
-
-impl Bracket {
-    pub fn new(min: u32, max: u32) -> Bracket {
-        let min = min.max(1);
-        Bracket {
-            min,
-            max: max.max(min),
-            feasible: None,
-            infeasible: None,
-            probes: 0,
-        }
-    }
-
-    pub fn next(&self) -> Step {
-        match (self.feasible, self.infeasible) {
-            (None, None) => Step::Probe(self.min),
-            (None, Some(_)) => Step::Done, // even the minimum breaches
-            (Some(f), None) if f >= self.max => Step::Done,
-            (Some(f), None) => Step::Probe((f.saturating_mul(2)).min(self.max)),
-            (Some(f), Some(i)) if i <= f + 1 => Step::Done,
-            (Some(f), Some(i)) => Step::Probe(f + (i - f) / 2),
-        }
-    }
-
-    /// Records a probe at `level`: `ok` when every SLO held.
-    pub fn record(&mut self, level: u32, ok: bool) {
-        self.probes += 1;
-        if ok {
-            self.feasible = Some(self.feasible.map_or(level, |f| f.max(level)));
-        } else {
-            self.infeasible = Some(self.infeasible.map_or(level, |i| i.min(level)));
-        }
-        // A noisy probe can contradict an earlier one; the smaller infeasible wins.
-        if let (Some(f), Some(i)) = (self.feasible, self.infeasible) {
-            if f >= i {
-                self.feasible = if i > self.min { Some(i - 1) } else { None };
-            }
-        }
-    }
-}
+//! The search for the largest concurrency (or rate, or workload scale)
+//! that meets every SLO: [`LevelSearch`] screens levels exponentially up to
+//! the first breach, then by bisection between the largest feasible and the
+//! smallest infeasible level (AIPerf's max-concurrency-under-SLA search),
+//! and decides the two ends at a confidence. Plain state, no I/O.
 
 /// What the probes of a level showed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +41,7 @@ pub enum LevelStep {
 
 /// The bracket search with a confidence on its ends. Levels are screened
 /// with short probes, exponentially up to the first breach and then by
-/// bisection, as [`Bracket`] does; once the bracket closes, its two ends
+/// bisection; once the bracket closes, its two ends
 /// are decided at the confidence asked: the feasible level must hold (if it
 /// does not, the search goes on below it) and the infeasible level's breach
 /// is confirmed (if it holds after all, the search goes on above it).
@@ -199,51 +139,6 @@ impl LevelSearch {
 mod tests {
     use super::*;
 
-    fn run(true_max: u32, min: u32, max: u32) -> Bracket {
-        let mut b = Bracket::new(min, max);
-        while let Step::Probe(c) = b.next() {
-            b.record(c, c <= true_max);
-            assert!(b.probes < 64, "does not terminate");
-        }
-        b
-    }
-
-    #[test]
-    fn finds_the_exact_maximum() {
-        for true_max in 1..=100 {
-            let b = run(true_max, 1, 256);
-            assert_eq!(b.feasible, Some(true_max), "true max {true_max}");
-            assert_eq!(b.infeasible, Some(true_max + 1));
-            // Exponential plus bisection: about 2 log2(n) probes.
-            assert!(
-                b.probes <= 2 * (32 - true_max.leading_zeros()) + 2,
-                "{true_max}: {} probes",
-                b.probes
-            );
-        }
-    }
-
-    #[test]
-    fn respects_the_cap_and_the_minimum() {
-        let b = run(1000, 1, 64);
-        assert_eq!(b.feasible, Some(64));
-        assert_eq!(b.infeasible, None);
-        let b = run(0, 1, 64);
-        assert_eq!(b.feasible, None);
-        assert_eq!(b.infeasible, Some(1));
-        let b = run(10, 4, 64);
-        assert_eq!(b.feasible, Some(10));
-    }
-
-    #[test]
-    fn contradictions_resolve_to_the_smaller_infeasible() {
-        let mut b = Bracket::new(1, 64);
-        b.record(8, false);
-        b.record(16, true); // noise
-        assert_eq!(b.infeasible, Some(8));
-        assert_eq!(b.feasible, Some(7));
-    }
-
     /// Runs a level search against a true maximum; `screen_wrong` levels
     /// screen the wrong way (noise) and `undecided` ones never decide.
     fn run_levels(
@@ -252,7 +147,17 @@ mod tests {
         screen_wrong: &[u32],
         undecided: &[u32],
     ) -> (LevelSearch, Vec<LevelStep>) {
-        let mut s = LevelSearch::new(1, max);
+        run_from(1, true_max, max, screen_wrong, undecided)
+    }
+
+    fn run_from(
+        min: u32,
+        true_max: u32,
+        max: u32,
+        screen_wrong: &[u32],
+        undecided: &[u32],
+    ) -> (LevelSearch, Vec<LevelStep>) {
+        let mut s = LevelSearch::new(min, max);
         let mut steps = vec![];
         loop {
             let step = s.next();
@@ -314,6 +219,51 @@ mod tests {
             steps,
             vec![LevelStep::Screen(1), LevelStep::Decide(1), LevelStep::Done]
         );
+    }
+
+    #[test]
+    fn screens_about_two_log2_levels() {
+        for true_max in 1..=100 {
+            let (s, steps) = run_levels(true_max, 256, &[], &[]);
+            assert_eq!(s.feasible(), Some(true_max), "true max {true_max}");
+            let screens = steps
+                .iter()
+                .filter(|s| matches!(s, LevelStep::Screen(_)))
+                .count() as u32;
+            // Exponential plus bisection: about 2 log2(n) screens.
+            assert!(
+                screens <= 2 * (32 - true_max.leading_zeros()) + 2,
+                "{true_max}: {screens} screens"
+            );
+        }
+    }
+
+    #[test]
+    fn respects_the_minimum() {
+        let (s, steps) = run_from(4, 10, 64, &[], &[]);
+        assert_eq!((s.feasible(), s.upper()), (Some(10), Some(10)));
+        assert_eq!(steps[0], LevelStep::Screen(4));
+        assert!(steps.iter().all(|s| match s {
+            LevelStep::Screen(k) | LevelStep::Decide(k) => *k >= 4,
+            LevelStep::Done => true,
+        }));
+        // Even the minimum breaches: nothing below it is probed.
+        let (s, steps) = run_from(4, 2, 64, &[], &[]);
+        assert_eq!((s.feasible(), s.upper()), (None, Some(3)));
+        assert_eq!(
+            steps,
+            vec![LevelStep::Screen(4), LevelStep::Decide(4), LevelStep::Done]
+        );
+    }
+
+    #[test]
+    fn contradicting_screens_resolve_to_the_smaller_infeasible() {
+        let mut s = LevelSearch::new(1, 64);
+        s.record(4, LevelVerdict::LooksOk);
+        s.record(8, LevelVerdict::LooksBad);
+        s.record(16, LevelVerdict::LooksOk); // noise
+        assert_eq!((s.feasible(), s.infeasible()), (Some(4), Some(8)));
+        assert_eq!(s.next(), LevelStep::Screen(6));
     }
 
     #[test]
