@@ -40,19 +40,9 @@ use rows::push_rows;
 pub use rows::{ProbeRow, RequestRow, TelemetryRow};
 use session::open;
 pub use summary::{
-    breaches, bucket_result, decision, knee, kv_tokens_limit, level_verdict, merge_repeats,
-    requests_to_decide, requests_to_hold, slo_checks, stop_when_decided, summarise,
+    breaches, bucket_result, decision, knee, kv_tokens_limit, level_verdict, max_requests,
+    merge_repeats, requests_to_decide, requests_to_hold, slo_checks, stop_when_decided, summarise,
 };
-
-/// The most requests a level's probes may send to decide its verdict:
-/// `load.max_requests`, or four times what the SLOs need at the least
-/// (see [`requests_to_decide`]), and never fewer than a screening probe.
-fn max_requests(cfg: &BenchConfig, bucket: crate::config::Bucket) -> u32 {
-    cfg.load
-        .max_requests
-        .unwrap_or(4 * requests_to_decide(&cfg.slo, bucket.output_tokens))
-        .max(cfg.load.min_requests)
-}
 
 /// Restarts of a launched server after crashes, per configuration.
 const MAX_RESTARTS: u32 = 3;
@@ -128,7 +118,7 @@ fn run_point(
         // its probe id and requests, which a decision extends.
         let mut probes: Vec<(u32, ProbeSummary)> = vec![];
         let mut runs: HashMap<u32, (u32, ProbeRun)> = HashMap::new();
-        let budget = max_requests(cfg, *bucket);
+        let budget = max_requests(&cfg.load, &cfg.slo, bucket.output_tokens);
         loop {
             let (k, extending) = match search.next() {
                 LevelStep::Screen(k) => (k, false),

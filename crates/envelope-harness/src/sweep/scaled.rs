@@ -9,9 +9,7 @@
 
 use super::rows::push_rows;
 use super::session::Session;
-use super::summary::{
-    level_verdict, requests_to_decide, requests_to_hold, stop_when_decided, summarise,
-};
+use super::summary::{level_verdict, max_requests, requests_to_hold, stop_when_decided, summarise};
 use super::{Ctx, SweepEvent};
 use crate::agents;
 use crate::config::AgentLoad;
@@ -222,11 +220,7 @@ pub(super) fn search_scaled(
     let (lo, hi) = load.ladder();
     let step = load.step();
     let late_s = cfg.load.late_after_ms / 1e3;
-    let budget = cfg
-        .load
-        .max_requests
-        .unwrap_or(4 * requests_to_decide(&cfg.slo, 1))
-        .max(cfg.load.min_requests);
+    let budget = max_requests(&cfg.load, &cfg.slo, 1);
     let mut search = LevelSearch::new(lo, hi);
     let mut probes: Vec<(u32, WorkloadProbe)> = vec![];
     // Per level: its probe id, its records so far, and the next part.

@@ -122,6 +122,23 @@ pub fn requests_to_decide(slo: &Slo, output_tokens: u32) -> u32 {
     per_request.max(per_gap) as u32
 }
 
+/// How many times [`requests_to_decide`] a level may spend by default to
+/// decide its verdicts (`load.max_requests` unset). Twice was measured on
+/// the quickstart and saved no time: levels on a latency plateau along
+/// the limit then ended undecided one after another, each at the budget,
+/// and safe points fell by up to three levels
+/// (docs/measurements/2026-12-05-quickstart-sweep-time.md).
+pub const DECIDE_BUDGET_FACTOR: u32 = 4;
+
+/// The most requests a level's probes may send to decide its verdicts:
+/// `load.max_requests`, or [`DECIDE_BUDGET_FACTOR`] times what the SLOs
+/// need at the least, and never fewer than a screening probe.
+pub fn max_requests(load: &LoadConfig, slo: &Slo, output_tokens: u32) -> u32 {
+    load.max_requests
+        .unwrap_or(DECIDE_BUDGET_FACTOR * requests_to_decide(slo, output_tokens))
+        .max(load.min_requests)
+}
+
 /// The fewest more requests after which every latency SLO would hold at
 /// `slo.confidence` if none of them were over its limit (the size of the
 /// next chunk of a probe being decided); ITL counts `output_tokens - 1`

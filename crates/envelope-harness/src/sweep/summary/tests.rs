@@ -497,6 +497,33 @@ fn the_requests_a_verdict_needs_follow_the_percentile_and_confidence() {
 }
 
 #[test]
+fn a_level_may_spend_four_times_what_a_verdict_needs_unless_told() {
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    let load = LoadConfig::default();
+    assert_eq!(max_requests(&load, &p95s, 32), 4 * 45);
+    assert_eq!(max_requests(&load, &slo(), 32), 4 * 230);
+    let told = LoadConfig {
+        max_requests: Some(100),
+        ..LoadConfig::default()
+    };
+    assert_eq!(max_requests(&told, &p95s, 32), 100);
+    // Never fewer than a screen sends.
+    let few = LoadConfig {
+        max_requests: Some(3),
+        min_requests: 8,
+        ..LoadConfig::default()
+    };
+    assert_eq!(max_requests(&few, &p95s, 32), 8);
+    assert_eq!(
+        max_requests(&LoadConfig::default(), &Slo::default(), 32),
+        LoadConfig::default().min_requests
+    );
+}
+
+#[test]
 fn the_next_chunk_is_what_would_decide_the_level_if_every_answer_were_fast() {
     let p95s = Slo {
         e2e_p99_ms: None,
