@@ -332,6 +332,7 @@ mod tests {
         Err(envelope_telemetry::MetricsError::Http {
             url: "http://u/metrics".into(),
             status: 404,
+            said: String::new(),
         })
     }
 

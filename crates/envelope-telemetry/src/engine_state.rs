@@ -49,8 +49,15 @@ impl EngineState {
 pub enum MetricsError {
     #[error("cannot reach {url}: {message}")]
     Unreachable { url: String, message: String },
-    #[error("{url} answered HTTP {status}")]
-    Http { url: String, status: u16 },
+    /// `said` is what the answer's body said, as `: message` (empty when
+    /// it said nothing readable): llama.cpp's server started without
+    /// `--metrics` says so in its 501.
+    #[error("{url} answered HTTP {status}{said}")]
+    Http {
+        url: String,
+        status: u16,
+        said: String,
+    },
     #[error("not Prometheus text: {0}")]
     NotPrometheus(String),
     #[error("no known engine metrics (vllm:, sglang:, tgi_, llamacpp:, envelope:) in the text")]
@@ -312,11 +319,57 @@ impl MetricsClient {
         let resp = self.client.get(url).send().await.map_err(unreachable)?;
         let status = resp.status().as_u16();
         if status != 200 {
+            let body = resp.text().await.unwrap_or_default();
             return Err(MetricsError::Http {
                 url: url.to_string(),
                 status,
+                said: what_it_said(&body),
             });
         }
         resp.text().await.map_err(unreachable)
+    }
+}
+
+/// The message of an error answer, as `: message`: an OpenAI-shaped
+/// `error.message` (or a top-level `message`), else the body's first line;
+/// at most 200 characters, and empty when there is none.
+fn what_it_said(body: &str) -> String {
+    let json: Option<serde_json::Value> = serde_json::from_str(body).ok();
+    let message = json
+        .as_ref()
+        .and_then(|v| v["error"]["message"].as_str().or(v["message"].as_str()))
+        .map(str::to_string)
+        .or_else(|| {
+            body.lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .map(str::to_string)
+        })
+        .unwrap_or_default();
+    let message: String = message.chars().take(200).collect();
+    if message.is_empty() {
+        message
+    } else {
+        format!(": {message}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::what_it_said;
+
+    #[test]
+    fn what_an_error_body_said() {
+        assert_eq!(
+            what_it_said(r#"{"error":{"code":404,"message":"File Not Found"}}"#),
+            ": File Not Found"
+        );
+        assert_eq!(what_it_said(r#"{"message":"no"}"#), ": no");
+        assert_eq!(
+            what_it_said("\n  404 page not found\nmore"),
+            ": 404 page not found"
+        );
+        assert_eq!(what_it_said(""), "");
+        assert_eq!(what_it_said(&"x".repeat(500)).len(), 2 + 200);
     }
 }

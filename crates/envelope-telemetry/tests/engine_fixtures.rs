@@ -154,3 +154,42 @@ async fn unreachable_server_is_an_error_value() {
     assert!(matches!(e, MetricsError::Unreachable { .. }), "{e}");
     assert!(e.to_string().contains("127.0.0.1:1"));
 }
+
+/// An endpoint that answers an error says why in the error: llama.cpp's
+/// server started without `--metrics` answers 501 with its hint (the body
+/// as llama-server 11434.0.0 sends it).
+#[tokio::test]
+async fn an_error_answer_carries_what_the_server_said() {
+    use std::io::{Read, Write};
+    let body = fixture("llama_server_metrics_501.json")
+        .trim_end()
+        .to_string();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf);
+        write!(
+            s,
+            "HTTP/1.1 501 Not Implemented\r\ncontent-type: application/json; charset=utf-8\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{}",
+            body.len(),
+            body
+        )
+        .unwrap();
+    });
+    let e = envelope_telemetry::fetch_engine_state(
+        &format!("http://{addr}/metrics"),
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    server.join().unwrap();
+    assert!(matches!(e, MetricsError::Http { status: 501, .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("answered HTTP 501: ") && text.contains("--metrics"),
+        "{text}"
+    );
+}
