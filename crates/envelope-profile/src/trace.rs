@@ -270,12 +270,24 @@ impl TraceRequest {
 }
 
 /// Records of JSON lines, blank lines skipped; errors name the line.
+/// One record a line. A last line cut short with no newline after it (a
+/// record the governor was still writing when the file was read) is left
+/// out; cut short anywhere else, or malformed, it is an error.
 fn json_lines<T: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<T>, String> {
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| serde_json::from_str(l).map_err(|e| format!("line {}: {e}", i + 1)))
-        .collect()
+    let last = text.lines().count();
+    let unterminated = !text.ends_with('\n');
+    let mut out = vec![];
+    for (i, l) in text.lines().enumerate() {
+        if l.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str(l) {
+            Ok(r) => out.push(r),
+            Err(e) if e.is_eof() && unterminated && i + 1 == last => {}
+            Err(e) => return Err(format!("line {}: {e}", i + 1)),
+        }
+    }
+    Ok(out)
 }
 
 /// BurstGPT's CSV: `Timestamp` (s), `Request tokens`, `Response tokens`,

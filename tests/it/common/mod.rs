@@ -309,11 +309,10 @@ pub fn temp_dir(prefix: &str, name: &str) -> PathBuf {
 pub async fn lines_when(path: &Path, n: usize) -> Vec<String> {
     let mut lines = vec![];
     for _ in 0..200 {
-        lines = std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect();
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        // Whole lines only: a line the writer is still writing is not one.
+        let whole = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+        lines = whole.lines().map(str::to_string).collect();
         if lines.len() >= n {
             break;
         }

@@ -120,6 +120,37 @@ fn bad_records_name_the_line_and_field() {
 }
 
 #[test]
+fn a_last_record_still_being_written_is_left_out() {
+    let whole = std::fs::read_to_string(sample("sample-envelope.jsonl")).unwrap();
+    let lines: Vec<&str> = whole.lines().collect();
+    let two = format!("{}\n{}\n", lines[0], lines[1]);
+    let third = lines[2];
+    // The governor had written half of the third line when it was read.
+    let cut = format!("{two}{}", &third[..third.len() / 2]);
+    let t = Trace::parse("live", &cut, TraceFormat::Envelope).unwrap();
+    assert_eq!(t.requests.len(), 2);
+    // With its newline after it, the same cut line is a bad record.
+    let e = Trace::parse("bad", &format!("{cut}\n"), TraceFormat::Envelope).unwrap_err();
+    assert!(e.starts_with("line 3: "), "{e}");
+    // A malformed last line (not cut short) is an error too.
+    let e = Trace::parse(
+        "bad",
+        &format!("{two}{{\"t_s\": x}}"),
+        TraceFormat::Envelope,
+    )
+    .unwrap_err();
+    assert!(e.starts_with("line 3: "), "{e}");
+    // A cut line followed by whole ones is an error, not a gap.
+    let e = Trace::parse(
+        "bad",
+        &format!("{}\n{two}", &third[..third.len() / 2]),
+        TraceFormat::Envelope,
+    )
+    .unwrap_err();
+    assert!(e.starts_with("line 1: "), "{e}");
+}
+
+#[test]
 fn a_record_round_trips_and_the_committed_schema_is_current() {
     let mut r = TraceRequest::new(1.5, 10, 2);
     r.session = Some("s".into());
