@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 const PROFILE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+    "/tests/fixtures/quickstart-profile-542d032.json"
 );
 
 fn envelope(args: &[&str]) -> Output {
@@ -37,8 +37,9 @@ fn exit_codes_pass_fail_unusable() {
     )
     .unwrap();
     let out = dir.join("out");
-    // The quickstart profile holds as-stored (Q4_1) and q8_0 configurations
-    // of one model on one node: q8_0 has at least as much safe concurrency.
+    // The fixture quickstart profile holds as-stored (Q4_1) and q8_0
+    // configurations of one model on one node: q8_0 has at least as much
+    // safe concurrency.
     let gate = |base: &str, cand: &str, candidate: &str, rules: &str| {
         envelope(&[
             "gate",

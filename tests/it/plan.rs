@@ -1,4 +1,5 @@
-//! `envelope plan` on the committed CPU quickstart profile and the example
+//! `envelope plan` on a CPU quickstart profile (the fixture of 542d032's
+//! sweep, tests/fixtures/README.md) and the example
 //! workloads: the table carries the demand arithmetic, the
 //! supply read from the profile, and the replicas per scenario.
 
@@ -8,7 +9,7 @@ use std::process::{Command, Output};
 
 const PROFILE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+    "/tests/fixtures/quickstart-profile-542d032.json"
 );
 
 fn plan(workload: &str, extra: &[&str]) -> Output {

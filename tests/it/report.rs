@@ -1,5 +1,6 @@
-//! `envelope report` regenerates the reports of the committed quickstart
-//! profile, and names the file and field of a bad one.
+//! `envelope report` regenerates the reports of a quickstart profile (the
+//! fixture of 542d032's sweep) and of every committed profile, and names
+//! the file and field of a bad one.
 
 use std::process::Command;
 
@@ -8,7 +9,7 @@ fn reports_from_the_committed_profile() {
     let out = std::env::temp_dir().join(format!("envelope-report-{}", std::process::id()));
     let profile = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+        "/tests/fixtures/quickstart-profile-542d032.json"
     );
     let r = Command::new(env!("CARGO_BIN_EXE_envelope"))
         .args([

@@ -192,7 +192,7 @@ mod tests {
     fn gpu_seconds_use_the_profiles_safe_point_throughput() {
         let text = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json"
+            "/../../tests/fixtures/quickstart-profile-542d032.json"
         ))
         .unwrap();
         let p = Profile::from_json(&text, "quickstart").unwrap();

@@ -171,8 +171,7 @@ fn a_bucket_binds_on_the_first_breach_above_its_feasible_level() {
 
 #[test]
 fn the_kv_tokens_the_governor_may_reserve() {
-    let text =
-        include_str!("../../../../../profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json");
+    let text = include_str!("../../../../../tests/fixtures/quickstart-profile-542d032.json");
     let p = Profile::from_json(text, "profile.json").unwrap();
     let mut c = p.configs[0].clone();
     c.memory.kv_capacity_tokens = 1000;
