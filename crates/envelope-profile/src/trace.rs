@@ -269,10 +269,10 @@ impl TraceRequest {
     }
 }
 
-/// Records of JSON lines, blank lines skipped; errors name the line.
-/// One record a line. A last line cut short with no newline after it (a
-/// record the governor was still writing when the file was read) is left
-/// out; cut short anywhere else, or malformed, it is an error.
+/// Records of JSON lines, blank lines skipped; errors name the line. A
+/// last line cut short with no newline after it (a record the governor was
+/// still writing when the file was read) is left out; cut short anywhere
+/// else, or malformed, a line is an error.
 fn json_lines<T: serde::de::DeserializeOwned>(text: &str) -> Result<Vec<T>, String> {
     let last = text.lines().count();
     let unterminated = !text.ends_with('\n');
