@@ -16,11 +16,20 @@ use std::process::Command;
 
 // dummy:tiny in f32: 512 bytes of KV per token; 60 blocks of 16 tokens = 960
 // tokens; a 32x48 request takes 5 blocks, so 12 fit. Its 32-token prompt fills
-// two blocks, so every decode step past the 32nd needs all five: requests in
-// flight together preempt past 12 even when HTTP staggers their starts by a
-// few steps (with short outputs, a tiny model finishes a request in about the
-// time an HTTP round trip takes, and the server never sees them all at once).
+// two blocks and it grows to five as it decodes: 13 requests in step preempt,
+// but workers that drift apart hold about 4 blocks each on average (3, 4 and
+// 5 for 16 steps each), and 13 of those fit. How far they drift depends on
+// how busy the machine is (a stalled worker resubmits late), so the KV cache
+// binds between 12 (in step) and 15 (spread evenly: 16 x 4 > 60).
 const KV_BYTES: usize = 60 * 16 * 512;
+
+/// The feasible concurrency the KV arithmetic above allows, checked to be
+/// in its range: 12 always fits, and 16 never does.
+fn kv_bound(bucket_or_repeat: &Value) -> u64 {
+    let f = bucket_or_repeat["feasible_concurrency"].as_u64().unwrap();
+    assert!((12..=15).contains(&f), "{bucket_or_repeat}");
+    f
+}
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_envelope")
@@ -134,12 +143,23 @@ fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
     let b = bucket(&profile);
     let repeats = b["repeats"].as_array().unwrap();
     assert_eq!(repeats.len(), 2, "{b}");
-    // The KV arithmetic binds both searches at the same point.
+    // The KV arithmetic binds both searches, and the bucket is the repeat
+    // with the lower safe point (the lower median of two).
     for r in repeats {
-        assert_eq!(r["feasible_concurrency"], 12, "{r}");
-        assert_eq!(r["safe_concurrency"], b["safe_concurrency"], "{r}");
+        kv_bound(r);
+        assert!(r["safe_concurrency"].as_u64() >= b["safe_concurrency"].as_u64());
         assert!(!r["probes"].as_array().unwrap().is_empty());
     }
+    // Equal safe points keep run order.
+    let chosen = repeats
+        .iter()
+        .position(|r| r["safe_concurrency"] == b["safe_concurrency"])
+        .unwrap();
+    assert_eq!(
+        repeats[chosen]["feasible_concurrency"], b["feasible_concurrency"],
+        "{b}"
+    );
+    let chosen = chosen as u64;
     let report = std::fs::read_to_string(d.join("out/report.md")).unwrap();
     assert!(report.contains("over 2 repeats"), "{report}");
     let csv = std::fs::read_to_string(d.join("out/probes.csv")).unwrap();
@@ -150,21 +170,22 @@ fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
     // The verdicts are decided: the feasible level's ITL p95 held at 90%
     // on at least 45 token gaps, and the KV cache breached one above, so
     // the maximum is known exactly.
+    let f = kv_bound(b);
     let at = b["at_feasible"]["slo_checks"].as_array().unwrap();
     assert_eq!(at.len(), 1, "{at:?}");
     assert_eq!(at[0]["slo"], "itl_p95");
     assert_eq!(at[0]["decision"], "holds");
     assert!(at[0]["samples"].as_u64().unwrap() >= 45, "{at:?}");
-    assert_eq!(b["feasible_upper"], 12.0, "{b}");
+    assert_eq!(b["feasible_upper"].as_f64(), Some(f as f64), "{b}");
     let probe_at = |k: u64| {
         probes
             .iter()
             .rev()
-            .find(|p| p["probe"]["repeat"] == 0 && p["probe"]["concurrency"] == k)
+            .find(|p| p["probe"]["repeat"] == chosen && p["probe"]["concurrency"] == k)
             .unwrap_or_else(|| panic!("a probe at {k}"))
     };
-    assert_eq!(probe_at(12)["probe"]["decision"], "holds");
-    assert_eq!(probe_at(13)["probe"]["decision"], "breached");
+    assert_eq!(probe_at(f)["probe"]["decision"], "holds");
+    assert_eq!(probe_at(f + 1)["probe"]["decision"], "breached");
     assert!(
         csv.lines().next().unwrap().ends_with(",extends,decision"),
         "{csv}"
@@ -238,7 +259,7 @@ fn engine_and_launch_targets_agree_within_one_ladder_step() {
     );
     let eb = bucket(&engine);
     assert_eq!(eb["binding_constraint"], "kv_cache");
-    assert_eq!(eb["feasible_concurrency"], 12, "{eb}");
+    kv_bound(eb);
     let plot = d.join("out/plots/f32-f32-continuous.svg");
     assert!(std::fs::read_to_string(plot).unwrap().contains("32x48"));
 
