@@ -25,7 +25,8 @@ const LARGE_BLOCKS: usize = 120;
 
 /// The sweep both replicas' profiles come from: dummy:tiny on the
 /// embedded engine, one 32x48 bucket, KV-bound (the block arithmetic, not
-/// the machine's speed, sets where it stops).
+/// the machine's speed, sets where it stops, give or take how far the
+/// workers drift apart: the tests read each safe point from its profile).
 fn sweep_config(blocks: usize) -> String {
     format!(
         r#"[target]

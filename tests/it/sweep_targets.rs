@@ -1,6 +1,6 @@
 //! `envelope sweep` through its three targets, on dummy weights with a
-//! deliberately small KV pool (so the KV cache binds at a concurrency the
-//! block arithmetic predicts, whatever the machine's speed):
+//! deliberately small KV pool (so the KV cache binds in the range the block
+//! arithmetic predicts, whatever the machine's speed; see `KV_BYTES`):
 //! - the embedded engine and `launch` (envelope serve started by the harness)
 //!   agree within one ladder step;
 //! - `http` with open-loop Poisson arrivals finds a feasible rate;
