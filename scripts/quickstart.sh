@@ -4,8 +4,9 @@
 # the embedded CPU engine) into sweep-out/quickstart, serve the model and ask
 # it a question over the OpenAI API, then show the chain: serve the model
 # with the swept configuration, put `envelope govern` in front with the new
-# profile, drive 4x the short bucket's safe concurrency straight at the
-# server and through the governor, and print one table of the two.
+# profile, drive the short bucket's safe concurrency (what this client
+# reaches at the safe point) and then 4x it, each straight at the server and
+# through the governor, and print one table of the four.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,8 +38,8 @@ curl -sS "$url/v1/chat/completions" -H 'content-type: application/json' \
 echo
 target/release/envelope probe --server "$url"
 
-echo "== the chain: 4x the safe concurrency, direct vs through envelope govern"
+echo "== the chain: the safe concurrency, then 4x it, direct vs through envelope govern"
 kill $pid 2>/dev/null || true
 wait $pid 2>/dev/null || true
-bash scripts/govern-goodput.sh --profile "$OUT/profile.json" --scenarios short \
+bash scripts/govern-goodput.sh --profile "$OUT/profile.json" --scenarios safe,short \
   --seconds "${ENVELOPE_QUICKSTART_BURST_S:-20}"
