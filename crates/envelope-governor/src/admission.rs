@@ -522,11 +522,13 @@ impl Governor {
     fn wait_estimate_ms(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> Option<f64> {
         let cap = g.ledger.capacity();
         let used = g.ledger.used();
-        let kv_excess = (g.queue.tokens_ahead_of(class) + demand.kv_tokens)
-            .saturating_sub(g.ledger.kv_headroom());
-        let seq_excess = (g.queue.seqs_ahead_of(class) + demand.seqs)
+        let ahead = g.queue.demand_ahead_of(class).plus(demand);
+        let kv_excess = ahead.kv_tokens.saturating_sub(g.ledger.kv_headroom());
+        let seq_excess = ahead
+            .seqs
             .saturating_sub(cap.seqs.saturating_sub(used.seqs));
-        let unit_excess = (g.queue.capacity_ahead_of(class) + demand.capacity)
+        let unit_excess = ahead
+            .capacity
             .saturating_sub(cap.capacity.saturating_sub(used.capacity));
         let kv_wait = g.drain.wait_ms(now_ms, kv_excess, cap.kv_tokens);
         // A full node finishes its whole cap per mean service time.

@@ -109,31 +109,13 @@ impl<T> AdmissionQueue<T> {
         self.queued_tokens
     }
 
-    /// KV tokens queued that would be served before a new request of `class`.
-    pub fn tokens_ahead_of(&self, class: Class) -> u64 {
+    /// What is queued that would be served before a new request of
+    /// `class`: its sequences, KV tokens and capacity units.
+    pub fn demand_ahead_of(&self, class: Class) -> Demand {
         self.entries
             .iter()
             .filter(|e| e.class <= class)
-            .map(|e| e.demand.kv_tokens)
-            .sum()
-    }
-
-    /// Capacity units queued that would be served before a new request of `class`.
-    pub fn capacity_ahead_of(&self, class: Class) -> u64 {
-        self.entries
-            .iter()
-            .filter(|e| e.class <= class)
-            .map(|e| e.demand.capacity)
-            .sum()
-    }
-
-    /// Sequences queued that would be served before a new request of `class`.
-    pub fn seqs_ahead_of(&self, class: Class) -> u64 {
-        self.entries
-            .iter()
-            .filter(|e| e.class <= class)
-            .map(|e| e.demand.seqs)
-            .sum()
+            .fold(Demand::default(), |sum, e| sum.plus(e.demand))
     }
 
     pub fn oldest_age_ms(&self, now: Instant) -> u64 {
@@ -359,9 +341,16 @@ mod tests {
             order,
             ["inter-early", "inter-early-2", "inter-late", "batch-early"]
         );
-        assert_eq!(q.tokens_ahead_of(Class::Interactive), 3);
-        assert_eq!(q.tokens_ahead_of(Class::Batch), 4);
-        assert_eq!(q.seqs_ahead_of(Class::Interactive), 3);
+        // Three interactive requests of one token each; the batch one after.
+        assert_eq!(
+            q.demand_ahead_of(Class::Interactive),
+            Demand {
+                seqs: 3,
+                kv_tokens: 3,
+                capacity: 0
+            }
+        );
+        assert_eq!(q.demand_ahead_of(Class::Batch).kv_tokens, 4);
     }
 
     #[test]
