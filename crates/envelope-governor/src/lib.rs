@@ -39,6 +39,7 @@ mod refusal;
 pub mod request;
 pub mod request_path;
 pub mod settings;
+mod signals;
 pub mod start;
 pub mod tiers;
 pub mod tokens;

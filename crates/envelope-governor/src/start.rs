@@ -8,9 +8,9 @@ use crate::error::StartError;
 use crate::{live_guard, AppState, Governor};
 use envelope_profile::Profile;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// Runs the governor until SIGTERM (or Ctrl-C) and its drain.
 ///
@@ -24,10 +24,6 @@ pub fn run(args: GovernArgs) -> Result<(), StartError> {
     }
     let rt = args.runtime()?;
     rt.block_on(run_async(args))
-}
-
-fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
 }
 
 async fn run_async(args: GovernArgs) -> Result<(), StartError> {
@@ -191,27 +187,13 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             .chain(args.tenants.clone())
             .chain(args.budgets.clone())
             .collect();
-        let mtimes = move || paths.iter().map(|p| mtime(p)).collect::<Vec<_>>();
-        tokio::spawn(async move {
-            let mut last = mtimes();
-            let mut hup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-            loop {
-                let tick = tokio::time::sleep(Duration::from_secs(1));
-                let hupped = match hup.as_mut() {
-                    Some(h) => tokio::select! { _ = h.recv() => true, _ = tick => false },
-                    None => {
-                        tick.await;
-                        false
-                    }
-                };
-                let now = mtimes();
-                if hupped || now != last {
-                    last = now;
-                    let _ = reload();
-                }
-            }
-        });
+        tokio::spawn(crate::signals::reload_on_change(
+            move || paths.clone(),
+            move || {
+                let _ = reload();
+                std::future::ready(())
+            },
+        ));
     }
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
@@ -225,12 +207,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
     let g = gov.clone();
     let shutdown = async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = tokio::signal::ctrl_c() => {},
-        }
+        crate::signals::shutdown_requested().await;
         tracing::info!(
             "draining: new and queued requests get 503; waiting up to {} ms for {} in flight",
             drain_timeout.as_millis(),

@@ -22,7 +22,7 @@ use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// Runs the governor over the tiers in `path` until SIGTERM and its drain.
 ///
@@ -404,10 +404,6 @@ pub(super) fn app(r: Arc<TierRouter>) -> axum::Router {
         .with_state(r)
 }
 
-fn mtime(p: &Path) -> Option<SystemTime> {
-    std::fs::metadata(p).and_then(|m| m.modified()).ok()
-}
-
 /// The files whose change reloads: the tiers file, every profile, the
 /// tenants file.
 fn watched(r: &TierRouter) -> Vec<PathBuf> {
@@ -446,27 +442,16 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     }
     {
         let r = router.clone();
-        tokio::spawn(async move {
-            let stamp = |r: &TierRouter| watched(r).iter().map(|p| mtime(p)).collect::<Vec<_>>();
-            let mut last = stamp(&r);
-            let mut hup =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-            loop {
-                let tick = tokio::time::sleep(Duration::from_secs(1));
-                let hupped = match hup.as_mut() {
-                    Some(h) => tokio::select! { _ = h.recv() => true, _ = tick => false },
-                    None => {
-                        tick.await;
-                        false
-                    }
-                };
-                let now = stamp(&r);
-                if hupped || now != last {
+        let w = router.clone();
+        tokio::spawn(crate::signals::reload_on_change(
+            move || watched(&w),
+            move || {
+                let r = r.clone();
+                async move {
                     let _ = reload(&r).await;
-                    last = stamp(&r);
                 }
-            }
-        });
+            },
+        ));
     }
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
@@ -484,12 +469,7 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     );
     let r = router.clone();
     let shutdown = async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {},
-            _ = tokio::signal::ctrl_c() => {},
-        }
+        crate::signals::shutdown_requested().await;
         r.start_draining();
         let live = r.live();
         let drains = live
