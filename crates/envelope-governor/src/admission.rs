@@ -86,14 +86,12 @@ fn burst_floor(s: &Settings) -> u64 {
 
 /// Capacity units of one sequence of the most expensive bucket.
 fn costliest_sequence(s: &Settings) -> u64 {
-    let least_safe = s
-        .limits
+    s.limits
         .buckets
         .iter()
-        .map(|b| b.safe_concurrency)
-        .min()
-        .unwrap_or(1);
-    units_per_sequence(least_safe)
+        .map(crate::policy::units_of)
+        .max()
+        .unwrap_or(units_per_sequence(1))
 }
 
 /// The latency guard's floor: one sequence of the most expensive bucket,

@@ -270,6 +270,7 @@ pub fn conservative(l: &envelope_profile::Limits) -> envelope_profile::Limits {
         .iter()
         .map(|b| envelope_profile::BucketLimit {
             safe_concurrency: h(b.safe_concurrency),
+            concurrency_after_headroom: b.concurrency_after_headroom.map(|c| (c / 2.0).max(1.0)),
             kv_tokens: h(b.safe_concurrency) * b.total_tokens(),
             ..b.clone()
         })

@@ -1,8 +1,9 @@
 //! From a validated request and its prompt token counts to what the governor
 //! enforces: the `max_tokens` applied (kept, injected or clamped), the
 //! context check, the bucket of the measured envelope each sequence falls
-//! in, and the demand (sequences, KV tokens, capacity units) to reserve.
-//! Also the caps in force at each ladder level. Pure functions.
+//! in, what it is charged there, and the demand (sequences, KV tokens,
+//! capacity units) to reserve. Also the caps in force at each ladder level.
+//! Pure functions.
 
 use crate::error::GovernError;
 use crate::ladder::Level;
@@ -58,6 +59,61 @@ pub fn effective_limits(l: &Limits, level: Level, factor: f64) -> Limits {
     }
 }
 
+/// Capacity units one sequence of `total_tokens` (prompt + max_tokens) is
+/// charged, and the bucket it is counted in; `None` past the largest bucket.
+///
+/// A sequence is charged by what it costs, not by the next bucket up:
+/// between two measured buckets the charge (`1 / safe_concurrency` of the
+/// node) is interpolated linearly by total tokens, from the largest bucket
+/// under it to the smallest covering it (the bucket it is counted in). Where
+/// KV binds, a sequence's cost is its tokens over the cache, linear in total
+/// tokens, so the line is exact there; where compute binds it is the
+/// straight line between two measured points. Under the smallest bucket the
+/// smallest's charge holds (nothing is extrapolated below what was
+/// measured). Rounded up, so a share is never under the line.
+pub fn charge_for(limits: &Limits, total_tokens: u64) -> Option<(usize, u64)> {
+    let (i, upper) = limits.bucket_for(total_tokens)?;
+    let hi = units_of(upper);
+    // The largest bucket under this one; of two that size, the stricter
+    // (the buckets are sorted by total, then by safe concurrency).
+    let lower = limits.buckets[..i]
+        .iter()
+        .filter(|b| b.total_tokens() < upper.total_tokens())
+        .min_by_key(|b| (std::cmp::Reverse(b.total_tokens()), b.safe_concurrency));
+    let Some(lower) = lower.filter(|b| b.total_tokens() < total_tokens) else {
+        return Some((i, hi));
+    };
+    let lo = units_of(lower);
+    let (t0, t1) = (lower.total_tokens() as u128, upper.total_tokens() as u128);
+    let t = total_tokens as u128;
+    // lo + (hi - lo) * (t - t0) / (t1 - t0), in one exact weighted sum.
+    let sum = lo as u128 * (t1 - t) + hi as u128 * (t - t0);
+    Some((i, sum.div_ceil(t1 - t0) as u64))
+}
+
+/// One sequence's share of the node in a bucket: `1 /` its concurrency
+/// after the headroom, unrounded where the profile states it (1.8 admits
+/// one, as the rounded 1 does, but the line to the next bucket starts at
+/// 1.8), else its safe concurrency.
+pub(crate) fn units_of(b: &envelope_profile::BucketLimit) -> u64 {
+    match b.concurrency_after_headroom {
+        Some(c) if c.is_finite() && c >= 1.0 => (CAPACITY_UNITS as f64 / c).floor() as u64,
+        _ => units_per_sequence(b.safe_concurrency),
+    }
+}
+
+/// The most sequences of one shape the envelope admits at once: the node's
+/// capacity over [`charge_for`]'s charge. What a load test beside the
+/// governor calls the safe concurrency of a shape between two buckets.
+pub fn safe_concurrency_for(
+    limits: &Limits,
+    prompt_tokens: u64,
+    output_tokens: u64,
+) -> Option<u64> {
+    charge_for(limits, prompt_tokens + output_tokens)
+        .map(|(_, units)| (CAPACITY_UNITS / units.max(1)).min(limits.max_concurrent_seqs))
+}
+
 /// The sequences a request asks for: `n` per prompt group.
 pub fn sequences(prompt_groups: usize, n: u64) -> u64 {
     prompt_groups as u64 * n
@@ -105,8 +161,8 @@ pub fn plan(
     let mut charges: Vec<BucketCharge> = vec![];
     for &p in prompt_tokens {
         let total = p + max_tokens;
-        let (bucket, units) = match limits.bucket_for(total) {
-            Some((i, b)) => (i, units_per_sequence(b.safe_concurrency)),
+        let (bucket, units) = match charge_for(limits, total) {
+            Some(charge) => charge,
             None => match (beyond, limits.largest_bucket()) {
                 (Beyond::Alone, _) | (_, None) => (limits.buckets.len(), CAPACITY_UNITS),
                 (Beyond::Refuse, Some(b)) => {
@@ -321,14 +377,20 @@ mod tests {
                 capacity: units_per_sequence(12)
             }]
         );
-        // 45 + 10 = 55 > 50: the long bucket, 1/4.
-        let l = q(&[45], Some(10), Beyond::Refuse).unwrap();
+        // 70 + 30 = 100: the long bucket itself, 1/4.
+        let l = q(&[70], Some(30), Beyond::Refuse).unwrap();
         assert_eq!(l.demand.capacity, units_per_sequence(4));
+        // 45 + 10 = 55: counted in the long bucket, charged a tenth of the
+        // way from the short bucket's share to the long one's.
+        let m = q(&[45], Some(10), Beyond::Refuse).unwrap();
+        assert_eq!(m.charges[0].bucket, 1);
+        let tenth = units_per_sequence(12) + (units_per_sequence(4) - units_per_sequence(12)) / 10;
+        assert!(m.demand.capacity.abs_diff(tenth) <= 1, "{m:?}");
         // A batch of both is charged per prompt.
-        let b = q(&[30, 45], Some(10), Beyond::Refuse).unwrap();
+        let b = q(&[30, 60], Some(10), Beyond::Refuse).unwrap();
         assert_eq!(
             b.demand.capacity,
-            units_per_sequence(12) + units_per_sequence(4)
+            units_per_sequence(12) + charge_for(&t, 70).unwrap().1
         );
         assert_eq!(b.charges.len(), 2);
         // Past the largest bucket (100): refused naming it, or alone.
@@ -359,6 +421,73 @@ mod tests {
         .unwrap();
         assert_eq!(a.demand.capacity, CAPACITY_UNITS);
         assert_eq!(a.charges[0].bucket, 2);
+    }
+
+    /// Worked numbers beside vLLM (2026-12-06): 64x32 safe at 14, 256x32
+    /// safe at 4. A 100-token chat prompt with 32 out (132 tokens) was
+    /// charged as 256x32, a quarter of the node, so 4 ran where vLLM served
+    /// 16 inside its SLOs.
+    #[test]
+    fn between_two_buckets_a_sequence_is_charged_by_its_tokens() {
+        let mut t = limits();
+        let mut short = t.single_row();
+        (
+            short.input_tokens,
+            short.output_tokens,
+            short.safe_concurrency,
+        ) = (64, 32, 14);
+        let mut long = t.single_row();
+        (long.input_tokens, long.output_tokens, long.safe_concurrency) = (256, 32, 4);
+        t.buckets = vec![short, long];
+        (
+            t.max_context_tokens,
+            t.max_output_tokens,
+            t.max_concurrent_seqs,
+        ) = (288, 32, 14);
+        // (132 - 96) / (288 - 96) = 0.1875 of the way: 1/14 + 0.1875 (1/4 - 1/14)
+        // = 0.1049 of the node, 9 at once (the next bucket up allowed 4).
+        let (bucket, units) = charge_for(&t, 132).unwrap();
+        assert_eq!(bucket, 1);
+        let share = units as f64 / CAPACITY_UNITS as f64;
+        assert!((share - 0.104_91).abs() < 1e-4, "{share}");
+        assert_eq!(safe_concurrency_for(&t, 100, 32), Some(9));
+        // At each measured bucket, its own figure; under the smallest, the
+        // smallest's; past the largest, none (the caller's rule applies).
+        assert_eq!(safe_concurrency_for(&t, 64, 32), Some(14));
+        assert_eq!(safe_concurrency_for(&t, 256, 32), Some(4));
+        assert_eq!(safe_concurrency_for(&t, 10, 5), Some(14));
+        assert_eq!(charge_for(&t, 289), None);
+        // Monotone in tokens, and never under the line between the buckets.
+        let mut last = 0;
+        for total in 96..=288u64 {
+            let (_, u) = charge_for(&t, total).unwrap();
+            assert!(u >= last, "{total}");
+            last = u;
+        }
+        // Where the profile states each bucket's concurrency before it was
+        // rounded down (6.3 and 1.8 here), each bucket still admits its
+        // rounded figure, and the line between runs on the unrounded ones:
+        // 139 tokens, 0.224 of the way, 1/6.3 + 0.224 (1/1.8 - 1/6.3) of
+        // the node, 4 at once (on the rounded 6 and 1: 2).
+        let mut unrounded = t.clone();
+        for (b, (safe, after)) in unrounded.buckets.iter_mut().zip([(6, 6.3), (1, 1.8)]) {
+            (b.safe_concurrency, b.concurrency_after_headroom) = (safe, Some(after));
+        }
+        unrounded.max_concurrent_seqs = 6;
+        assert_eq!(safe_concurrency_for(&unrounded, 64, 32), Some(6));
+        assert_eq!(safe_concurrency_for(&unrounded, 256, 32), Some(1));
+        assert_eq!(safe_concurrency_for(&unrounded, 107, 32), Some(4));
+        let mut rounded = unrounded.clone();
+        for b in &mut rounded.buckets {
+            b.concurrency_after_headroom = None;
+        }
+        assert_eq!(safe_concurrency_for(&rounded, 107, 32), Some(2));
+        // Equal-sized buckets under this one: the stricter is the lower end.
+        let mut twin = t.buckets[0].clone();
+        twin.safe_concurrency = 7;
+        t.buckets.insert(0, twin);
+        assert_eq!(safe_concurrency_for(&t, 64, 32), Some(7));
+        assert!(safe_concurrency_for(&t, 100, 32).unwrap() < 9);
     }
 
     #[test]

@@ -95,6 +95,11 @@ pub fn check_server(
             None
         }
     };
+    // Once here, so the log and the report say it; the monitor then asks
+    // at most every 30 s.
+    if driver.metrics().is_none() {
+        notes.extend(driver.metrics_absent());
+    }
     let governed = rec.governed;
     if governed {
         notes.push("the target is governed (envelope govern): a 429 with Retry-After is a refusal, counted apart from failures; the safe point is the highest load whose admitted requests meet the SLOs with at most slo.max_shed_rate refused".into());

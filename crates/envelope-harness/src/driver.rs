@@ -7,7 +7,14 @@ use crate::truth::{error, reason};
 use envelope_engine::{EngineHandle, Event, GenerateRequest, SamplingParams};
 use std::io::{BufRead, BufReader};
 use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// After a `/metrics` answer that says the server exports none (404, or
+/// llama.cpp's 501 without `--metrics`), the next ask waits this long: a
+/// monitor polling every 50 ms asked llama-cpp-python's server 3,408
+/// times in 3 minutes.
+pub const METRICS_ABSENT_RETRY: Duration = Duration::from_secs(30);
 
 /// The embedded engine, in process.
 pub struct EngineDriver {
@@ -75,6 +82,8 @@ impl Driver for EngineDriver {
             kv_usage: Some(m.kv_usage()),
             preemptions_total: Some(m.preemptions_total.load(Ordering::Relaxed)),
             memory_bytes: envelope_telemetry::host::sample(None).process_rss_bytes,
+            // The embedded engine shares no KV blocks between prompts.
+            prefix_cache: None,
         }
     }
 }
@@ -116,6 +125,14 @@ pub struct HttpDriver {
     /// The server's process, when the harness launched it (for its RSS).
     pub pid: Option<u32>,
     nvml: Option<envelope_telemetry::gpu::Nvml>,
+    metrics_absent: Mutex<Option<MetricsAbsent>>,
+}
+
+/// The server said it has no `/metrics`.
+#[derive(Debug, Clone)]
+struct MetricsAbsent {
+    status: u16,
+    retry_at: Instant,
 }
 
 pub struct HttpSettings {
@@ -147,6 +164,7 @@ impl HttpDriver {
             exact_output: true,
             pid: None,
             nvml: envelope_telemetry::gpu::Nvml::init().ok(),
+            metrics_absent: Mutex::new(None),
         })
     }
 
@@ -305,18 +323,45 @@ impl HttpDriver {
             .ok_or_else(|| "the answer has no usage.prompt_tokens".into())
     }
 
-    /// Tokens the server's KV cache holds, when its metrics say.
-    pub fn kv_capacity_tokens(&self) -> Option<u64> {
-        self.metrics()?.kv_capacity_tokens.map(|t| t as u64)
+    /// The server's metrics now; `None` when it has none, cannot be
+    /// reached, or said within [`METRICS_ABSENT_RETRY`] that it exports
+    /// none (then it is not asked again before).
+    pub fn metrics(&self) -> Option<envelope_telemetry::EngineState> {
+        let url = self.metrics_url.as_ref()?;
+        let lock = || {
+            self.metrics_absent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+        };
+        if lock().as_ref().is_some_and(|a| Instant::now() < a.retry_at) {
+            return None;
+        }
+        let resp = send(|| self.client.get(url).timeout(Duration::from_secs(2))).ok()?;
+        let status = resp.status().as_u16();
+        if matches!(status, 404 | 501) {
+            *lock() = Some(MetricsAbsent {
+                status,
+                retry_at: Instant::now() + METRICS_ABSENT_RETRY,
+            });
+            return None;
+        }
+        let text = resp.text().ok()?;
+        envelope_telemetry::engine_state::parse_engine_state(&text).ok()
     }
 
-    fn metrics(&self) -> Option<envelope_telemetry::EngineState> {
-        let url = self.metrics_url.as_ref()?;
-        let text = send(|| self.client.get(url).timeout(Duration::from_secs(2)))
-            .ok()?
-            .text()
-            .ok()?;
-        envelope_telemetry::engine_state::parse_engine_state(&text).ok()
+    /// Where the server said it exports no metrics, in words (for the log
+    /// and the report, once).
+    pub fn metrics_absent(&self) -> Option<String> {
+        let a = self
+            .metrics_absent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (url, a) = (self.metrics_url.as_deref()?, a.as_ref()?);
+        Some(format!(
+            "the server exports no metrics ({url} answered HTTP {}): KV use, preemptions and prefix-cache hits are not measured; asked again at most every {} s",
+            a.status,
+            METRICS_ABSENT_RETRY.as_secs()
+        ))
     }
 }
 
@@ -379,6 +424,12 @@ impl Driver for HttpDriver {
                 .and_then(|s| s.preemptions_total)
                 .map(|p| p as u64),
             memory_bytes,
+            prefix_cache: state.as_ref().and_then(|s| {
+                Some(crate::record::PrefixCache {
+                    queries: s.prefix_cache_queries_total?,
+                    hits: s.prefix_cache_hits_total?,
+                })
+            }),
         }
     }
 
@@ -395,6 +446,65 @@ impl Driver for HttpDriver {
 mod tests {
     use super::*;
     use reqwest::header::{HeaderMap, HeaderValue};
+    use std::sync::Arc;
+
+    /// A loopback server that answers every request with `status`,
+    /// counting them.
+    fn answering(status: u16) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let h = hits.clone();
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = [0u8; 4096];
+                let _ = conn.read(&mut buf);
+                h.fetch_add(1, Ordering::SeqCst);
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+            }
+        });
+        (format!("http://{addr}"), hits)
+    }
+
+    fn driver_for(base_url: &str) -> HttpDriver {
+        HttpDriver::new(HttpSettings {
+            base_url: base_url.into(),
+            model: "m".into(),
+            metrics_url: Some(format!("{base_url}/metrics")),
+            vocab_size: 100,
+            prompt_format: PromptFormat::Tokens,
+            extra_body: Default::default(),
+            request_timeout: Duration::from_secs(5),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_server_without_metrics_is_asked_once_per_30_seconds_and_said_once() {
+        for status in [404, 501] {
+            let (url, hits) = answering(status);
+            let d = driver_for(&url);
+            for _ in 0..50 {
+                assert!(d.snapshot().kv_usage.is_none());
+            }
+            assert_eq!(hits.load(Ordering::SeqCst), 1, "HTTP {status}");
+            let said = d.metrics_absent().unwrap();
+            assert!(said.contains(&format!("HTTP {status}")), "{said}");
+            assert!(said.contains("every 30 s"), "{said}");
+        }
+        // Any other failure (a 500, say) is asked again at once: it may pass.
+        let (url, hits) = answering(500);
+        let d = driver_for(&url);
+        for _ in 0..5 {
+            assert!(d.snapshot().kv_usage.is_none());
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), 5);
+        assert!(d.metrics_absent().is_none());
+    }
 
     #[test]
     fn a_refusal_asks_for_its_wait_in_either_header() {

@@ -5,7 +5,7 @@
 //! thread samples the server's KV use and memory meanwhile.
 
 use crate::config::{Bucket, Prompts};
-use crate::record::{Driver, LoadRequest, RequestRecord};
+use crate::record::{Driver, LoadRequest, PrefixCache, RequestRecord};
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,6 +25,9 @@ pub struct ProbeRun {
     pub duration_s: f64,
     pub kv_usage_max: Option<f64>,
     pub preemptions: Option<u64>,
+    /// Growth of the server's prefix-cache counters over the probe, where
+    /// it exports them.
+    pub prefix_cache: Option<PrefixCache>,
     pub peak_memory_bytes: Option<u64>,
     /// Most requests in flight at once.
     pub max_in_flight: u32,
@@ -64,6 +67,13 @@ impl ProbeRun {
         self.kv_usage_max = max_opt(self.kv_usage_max, more.kv_usage_max);
         self.preemptions = match (self.preemptions, more.preemptions) {
             (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+        self.prefix_cache = match (self.prefix_cache, more.prefix_cache) {
+            (Some(a), Some(b)) => Some(PrefixCache {
+                queries: a.queries + b.queries,
+                hits: a.hits + b.hits,
+            }),
             (a, b) => a.or(b),
         };
         self.peak_memory_bytes = max_opt(self.peak_memory_bytes, more.peak_memory_bytes);
@@ -139,11 +149,14 @@ struct Monitor {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<MonitorResult>,
     preemptions_before: Option<u64>,
+    prefix_cache_before: Option<PrefixCache>,
 }
 
 impl Monitor {
     fn start(driver: &Arc<dyn Driver>, in_flight: &Arc<InFlight>, start: Instant) -> Monitor {
-        let preemptions_before = driver.snapshot().preemptions_total;
+        let before = driver.snapshot();
+        let (preemptions_before, prefix_cache_before) =
+            (before.preemptions_total, before.prefix_cache);
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (d, stop, in_flight) = (driver.clone(), stop.clone(), in_flight.clone());
@@ -176,6 +189,7 @@ impl Monitor {
             stop,
             thread,
             preemptions_before,
+            prefix_cache_before,
         }
     }
 
@@ -185,8 +199,16 @@ impl Monitor {
         run.kv_usage_max = kv;
         run.peak_memory_bytes = mem;
         run.series = series;
-        run.preemptions = match (self.preemptions_before, driver.snapshot().preemptions_total) {
+        let after = driver.snapshot();
+        run.preemptions = match (self.preemptions_before, after.preemptions_total) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        run.prefix_cache = match (self.prefix_cache_before, after.prefix_cache) {
+            (Some(a), Some(b)) => Some(PrefixCache {
+                queries: (b.queries - a.queries).max(0.0),
+                hits: (b.hits - a.hits).max(0.0),
+            }),
             _ => None,
         };
     }

@@ -520,6 +520,7 @@ mod tests {
             offered_rate_per_s: None,
             kv_usage_max: None,
             preemptions: None,
+            prefix_cache_hit_rate: None,
             peak_memory_bytes: None,
             breaches: if ok {
                 vec![]

@@ -51,6 +51,16 @@ pub struct Snapshot {
     pub preemptions_total: Option<u64>,
     /// Memory of the serving process (host RSS) or of the GPU (NVML).
     pub memory_bytes: Option<u64>,
+    /// The server's prefix-cache counters (prompt tokens looked up, and
+    /// found), where it exports them.
+    pub prefix_cache: Option<PrefixCache>,
+}
+
+/// Prefix-cache counters since the server started, in prompt tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PrefixCache {
+    pub queries: f64,
+    pub hits: f64,
 }
 
 /// Something that serves requests: the embedded engine or a server.

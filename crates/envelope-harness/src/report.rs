@@ -32,7 +32,7 @@ fn interval(b: &envelope_profile::BucketResult) -> String {
     }
 }
 
-fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
+fn rows(c: &ConfigResult) -> Vec<[String; 10]> {
     c.buckets
         .iter()
         .map(|b| {
@@ -51,12 +51,14 @@ fn rows(c: &ConfigResult) -> Vec<[String; 9]> {
                 a.map_or("-".into(), |a| format!("{:.1}", a.output_tok_per_s)),
                 a.map_or("-".into(), |a| format!("{:.0}", a.ttft_ms.p95)),
                 a.map_or("-".into(), |a| format!("{:.1}", a.itl_ms.p95)),
+                a.and_then(|a| a.prefix_cache_hit_rate)
+                    .map_or("-".into(), |h| format!("{:.0}%", h * 100.0)),
             ]
         })
         .collect()
 }
 
-const HEAD: [&str; 9] = [
+const HEAD: [&str; 10] = [
     "config",
     "bucket",
     "feasible",
@@ -66,6 +68,7 @@ const HEAD: [&str; 9] = [
     "out tok/s",
     "TTFT p95 ms",
     "ITL p95 ms",
+    "prefix-cache hits",
 ];
 
 fn limits_line(p: &Profile) -> String {
@@ -143,7 +146,7 @@ pub fn markdown(p: &Profile) -> String {
         p.selected,
         limits_line(p)
     );
-    s += "## The envelope the governor enforces\n\nEach admitted sequence is charged `1 / safe concurrency` of the node, from the smallest bucket whose input + output tokens cover its prompt + max_tokens.\n\n";
+    s += "## The envelope the governor enforces\n\nEach admitted sequence is counted in the smallest bucket whose input + output tokens cover its prompt + max_tokens, and charged `1 / safe concurrency` of the node, interpolated by its tokens between that bucket and the one below.\n\n";
     let (head, table) = envelope_rows(p);
     s += &format!("| {} |\n|{}\n", head.join(" | "), "---|".repeat(head.len()));
     for r in table {
@@ -166,16 +169,21 @@ pub fn markdown(p: &Profile) -> String {
     }
     s += "\n## Memory\n\n| config | weights MiB | analytic MiB | resident after load MiB | KV bytes/token | KV capacity tokens | peak MiB | source |\n|---|---|---|---|---|---|---|---|\n";
     let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
+    // 0 in these fields is "not known" (a server's weights cannot be told
+    // from its other memory; a server that states no KV figures): a dash,
+    // never a 0 that reads as a measurement.
+    let known = |v: u64| (v > 0).then_some(v);
+    let dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     for c in &p.configs {
         let m = &c.memory;
         s += &format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
             cell(&c.name),
-            mib(m.weight_bytes),
-            mib(m.weight_bytes_analytic),
+            dash(known(m.weight_bytes).map(mib)),
+            dash(known(m.weight_bytes_analytic).map(mib)),
             m.resident_after_load_bytes.map_or("-".into(), mib),
-            m.kv_bytes_per_token,
-            m.kv_capacity_tokens,
+            dash(known(m.kv_bytes_per_token).map(|v| v.to_string())),
+            dash(known(m.kv_capacity_tokens).map(|v| v.to_string())),
             m.peak_bytes.map_or("-".into(), mib),
             cell(m.source.as_deref().unwrap_or("-"))
         );

@@ -388,7 +388,8 @@ pub fn run_sweep(
         .iter()
         .filter(|c| has_safe_point(c))
         .max_by(|a, b| score(a).total_cmp(&score(b)));
-    let limits = best.map(|c| Limits::from_config(c, kv_tokens_limit(c, cfg.slo.headroom)));
+    let limits = best
+        .map(|c| Limits::from_config(c, kv_tokens_limit(c, cfg.slo.headroom), cfg.slo.headroom));
     let no_safe_point = best.is_none().then(|| why_no_safe_point(&configs));
     let (quality, quality_error) = match score_quality(cfg, best) {
         Ok(q) => (q, None),

@@ -36,8 +36,12 @@ pub fn with_headroom(feasible: u32, headroom: f64) -> u32 {
     if feasible == 0 {
         return 0;
     }
-    let h = headroom.clamp(0.0, 0.95);
-    ((feasible as f64 * (1.0 - h)).floor() as u32).max(1)
+    ((feasible as f64 * (1.0 - clamp_headroom(headroom))).floor() as u32).max(1)
+}
+
+/// The headroom as applied: within [0, 0.95].
+pub fn clamp_headroom(headroom: f64) -> f64 {
+    headroom.clamp(0.0, 0.95)
 }
 
 #[cfg(test)]

@@ -158,6 +158,12 @@ pub struct ProbeSummary {
     pub offered_rate_per_s: Option<f64>,
     pub kv_usage_max: Option<f64>,
     pub preemptions: Option<u64>,
+    /// Prompt tokens found in the server's prefix cache over those looked
+    /// up during the probe, from its counters before and after (vLLM's
+    /// `prefix_cache_hits_total` / `prefix_cache_queries_total`); `None`
+    /// where the server exports none or looked nothing up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_cache_hit_rate: Option<f64>,
     pub peak_memory_bytes: Option<u64>,
     /// SLOs this probe breached.
     pub breaches: Vec<Constraint>,
@@ -446,10 +452,12 @@ pub struct Limits {
     /// concurrency); the per-bucket table bounds a mix.
     pub max_concurrent_seqs: u64,
     pub max_kv_tokens_in_flight: u64,
-    /// The envelope per request shape, smallest bucket first. Each admitted
-    /// sequence is charged `1 / safe_concurrency` of the node, from the
-    /// smallest bucket whose `input_tokens + output_tokens` covers its
-    /// prompt + max_tokens. Never empty after [`Profile::from_json`].
+    /// The envelope per request shape, smallest bucket first. An admitted
+    /// sequence is counted in the smallest bucket whose `input_tokens +
+    /// output_tokens` covers its prompt + max_tokens, and charged
+    /// `1 / safe_concurrency` of the node interpolated by its tokens
+    /// between that bucket and the one below (the governor's
+    /// `policy::charge_for`). Never empty after [`Profile::from_json`].
     #[serde(default)]
     pub buckets: Vec<BucketLimit>,
 }
@@ -464,6 +472,14 @@ pub struct BucketLimit {
     /// Concurrent sequences of this shape that stayed inside every SLO
     /// (feasible less the headroom; at least 1).
     pub safe_concurrency: u64,
+    /// The feasible concurrency less the headroom before it is rounded
+    /// down to `safe_concurrency` (at least 1). The governor charges a
+    /// sequence `1 /` this, and interpolates between buckets on it, so
+    /// that rounding a small bucket down (1.8 to 1) does not tilt the line
+    /// for every shape between it and the next. `None` in profiles from
+    /// before it (then `safe_concurrency` is used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_after_headroom: Option<f64>,
     /// KV tokens those sequences hold at most: safe_concurrency x (input + output).
     pub kv_tokens: u64,
     /// Measured at the closest probe at or under the safe concurrency
@@ -496,7 +512,7 @@ impl BucketLimit {
 
     /// A row from one bucket of a sweep: safe concurrency at least 1, the
     /// latency figures of the largest valid probe at or under it.
-    pub fn from_result(b: &BucketResult) -> BucketLimit {
+    pub fn from_result(b: &BucketResult, headroom: f64) -> BucketLimit {
         let safe = (b.safe_concurrency as u64).max(1);
         let at = b
             .probes
@@ -508,6 +524,11 @@ impl BucketLimit {
             input_tokens: b.input_tokens as u64,
             output_tokens: b.output_tokens as u64,
             safe_concurrency: safe,
+            concurrency_after_headroom: (b.feasible_concurrency > 0).then(|| {
+                (b.feasible_concurrency as f64 * (1.0 - crate::capacity::clamp_headroom(headroom)))
+                    .max(1.0)
+                    .max(safe as f64)
+            }),
             kv_tokens: safe * (b.input_tokens + b.output_tokens) as u64,
             ttft_p95_ms: at.map(|p| p.ttft_ms.p95),
             itl_p95_ms: at.map(|p| p.itl_ms.p95),
@@ -523,9 +544,12 @@ impl Limits {
     /// The limits a configuration's sweep results give: context and output
     /// caps from its largest buckets, concurrency from its largest safe
     /// concurrency, the per-bucket table, and `kv_tokens` for the KV budget.
-    pub fn from_config(c: &ConfigResult, kv_tokens: u64) -> Limits {
-        let mut buckets: Vec<BucketLimit> =
-            c.buckets.iter().map(BucketLimit::from_result).collect();
+    pub fn from_config(c: &ConfigResult, kv_tokens: u64, headroom: f64) -> Limits {
+        let mut buckets: Vec<BucketLimit> = c
+            .buckets
+            .iter()
+            .map(|b| BucketLimit::from_result(b, headroom))
+            .collect();
         sort_buckets(&mut buckets);
         Limits {
             max_context_tokens: buckets.iter().map(|b| b.total_tokens()).max().unwrap_or(1),
@@ -550,6 +574,7 @@ impl Limits {
             input_tokens: input,
             output_tokens: self.max_output_tokens,
             safe_concurrency: self.max_concurrent_seqs.max(1),
+            concurrency_after_headroom: None,
             kv_tokens: self.max_concurrent_seqs.max(1) * self.max_context_tokens,
             ttft_p95_ms: None,
             itl_p95_ms: None,
@@ -716,7 +741,12 @@ impl Profile {
             .configs
             .iter()
             .find(|c| c.name == self.selected && c.error.is_none())
-            .map(|c| c.buckets.iter().map(BucketLimit::from_result).collect())
+            .map(|c| {
+                c.buckets
+                    .iter()
+                    .map(|b| BucketLimit::from_result(b, self.slo.headroom))
+                    .collect()
+            })
             .unwrap_or_default();
         // Rows past the context cap could never be used; a table that does
         // not reach the cap would refuse what v1 admitted.

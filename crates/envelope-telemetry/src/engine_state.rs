@@ -32,9 +32,26 @@ pub struct EngineState {
     pub prompt_tokens_total: Option<f64>,
     pub generation_tokens_total: Option<f64>,
     /// Tokens the KV cache holds, where the engine exports it (envelope,
-    /// TGI); vLLM reports it only as labels of `cache_config_info`.
+    /// TGI as a gauge; vLLM as labels of `vllm:cache_config_info`).
     #[serde(default)]
     pub kv_capacity_tokens: Option<f64>,
+    /// Bytes of KV cache per token (vLLM: `kv_cache_memory_bytes` over
+    /// `kv_cache_size_tokens` of `cache_config_info`).
+    #[serde(default)]
+    pub kv_bytes_per_token: Option<f64>,
+    /// Whether the server shares KV blocks between prompts with a common
+    /// prefix (vLLM's `enable_prefix_caching`).
+    #[serde(default)]
+    pub prefix_caching: Option<bool>,
+    /// Prompt tokens looked up in the prefix cache, and of those found
+    /// there, since the server started (vLLM's
+    /// `prefix_cache_queries_total` / `prefix_cache_hits_total`; SGLang
+    /// exports only a ratio). A hit rate is the hits' growth over the
+    /// queries' growth between two readings.
+    #[serde(default)]
+    pub prefix_cache_queries_total: Option<f64>,
+    #[serde(default)]
+    pub prefix_cache_hits_total: Option<f64>,
     /// Metrics present but unusable (NaN, negative, out of range), by name.
     pub rejected: Vec<String>,
 }
@@ -65,13 +82,51 @@ pub enum MetricsError {
 }
 
 /// Every sample value of each family, keyed by family name (counters also
-/// under their `_total` name) and histogram sums under `<name>_sum`.
+/// under their `_total` name) and histogram sums under `<name>_sum`; and
+/// the labels of `*_info` families, whose values are in their labels.
 #[derive(Default)]
-struct Families(HashMap<String, Vec<f64>>);
+struct Families(
+    HashMap<String, Vec<f64>>,
+    HashMap<String, HashMap<String, String>>,
+);
 
 impl Families {
     fn push(&mut self, name: &str, v: f64) {
         self.0.entry(name.to_string()).or_default().push(v);
+    }
+    fn keep_info(
+        &mut self,
+        name: &str,
+        labels: &[String],
+        set: Option<openmetrics_parser::LabelSet<'_>>,
+    ) {
+        let Some(set) = set.filter(|_| name.ends_with("_info")) else {
+            return;
+        };
+        let kept = self.1.entry(name.to_string()).or_default();
+        for l in labels {
+            if let Some(v) = set.get_label_value(l) {
+                kept.insert(l.clone(), v.to_string());
+            }
+        }
+    }
+    /// A label of an `*_info` family, as a number.
+    fn info_number(&self, family: &str, label: &str) -> Option<f64> {
+        let v: f64 = self.1.get(family)?.get(label)?.parse().ok()?;
+        (v.is_finite() && v > 0.0).then_some(v)
+    }
+    fn info_bool(&self, family: &str, label: &str) -> Option<bool> {
+        match self
+            .1
+            .get(family)?
+            .get(label)?
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "true" | "1" => Some(true),
+            "false" | "0" => Some(false),
+            _ => None,
+        }
     }
     fn get(&self, name: &str) -> Option<&Vec<f64>> {
         self.0
@@ -92,7 +147,9 @@ fn parse_families(text: &str) -> Result<Families, MetricsError> {
         let exp = openmetrics_parser::openmetrics::parse_openmetrics(text)
             .map_err(|e| MetricsError::NotPrometheus(e.to_string()))?;
         for (name, fam) in exp.families {
+            let labels = fam.get_label_names().to_vec();
             for s in fam.iter_samples() {
+                f.keep_info(&name, &labels, s.get_labelset().ok());
                 match &s.value {
                     OpenMetricsValue::Gauge(n)
                     | OpenMetricsValue::Unknown(n)
@@ -119,7 +176,9 @@ fn parse_families(text: &str) -> Result<Families, MetricsError> {
         let exp = openmetrics_parser::prometheus::parse_prometheus(text)
             .map_err(|e| MetricsError::NotPrometheus(e.to_string()))?;
         for (name, fam) in exp.families {
+            let labels = fam.get_label_names().to_vec();
             for s in fam.iter_samples() {
+                f.keep_info(&name, &labels, s.get_labelset().ok());
                 match &s.value {
                     PrometheusValue::Gauge(n) | PrometheusValue::Unknown(n) => {
                         f.push(&name, num(n))
@@ -257,13 +316,47 @@ pub fn parse_engine_state(text: &str) -> Result<EngineState, MetricsError> {
             r.sum(&["llamacpp:tokens_predicted_total"]),
         ),
     };
+    // vLLM states its cache in the labels of cache_config_info: the size in
+    // tokens where it says so, else blocks x block size.
+    let info = "vllm:cache_config_info";
+    let vllm_tokens = || {
+        f.info_number(info, "kv_cache_size_tokens").or_else(|| {
+            Some(f.info_number(info, "num_gpu_blocks")? * f.info_number(info, "block_size")?)
+        })
+    };
     let kv_capacity_tokens = match engine {
         EngineKind::Envelope => r.sum(&["envelope:kv_cache_capacity_tokens"]),
         EngineKind::Tgi => r.sum(&["tgi_batch_max_total_tokens"]),
+        EngineKind::Vllm => vllm_tokens(),
         _ => None,
     };
+    let (kv_bytes_per_token, prefix_caching, prefix_cache_queries_total, prefix_cache_hits_total) =
+        match engine {
+            // With --num-gpu-blocks-override the memory label is still the
+            // space configured, not what the overridden blocks hold: then
+            // bytes a token are not stated.
+            EngineKind::Vllm if f.info_number(info, "num_gpu_blocks_override").is_none() => (
+                f.info_number(info, "kv_cache_memory_bytes")
+                    .zip(kv_capacity_tokens)
+                    .map(|(b, t)| b / t),
+                f.info_bool(info, "enable_prefix_caching"),
+                r.sum(&["vllm:prefix_cache_queries_total"]),
+                r.sum(&["vllm:prefix_cache_hits_total"]),
+            ),
+            EngineKind::Vllm => (
+                None,
+                f.info_bool(info, "enable_prefix_caching"),
+                r.sum(&["vllm:prefix_cache_queries_total"]),
+                r.sum(&["vllm:prefix_cache_hits_total"]),
+            ),
+            _ => (None, None, None, None),
+        };
     Ok(EngineState {
         kv_capacity_tokens,
+        kv_bytes_per_token,
+        prefix_caching,
+        prefix_cache_queries_total,
+        prefix_cache_hits_total,
         engine,
         fetched_unix_ms: crate::unix_ms(),
         running,
@@ -356,6 +449,62 @@ fn what_it_said(body: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// vLLM 0.32.0's CPU build, 2026-12-06: what it says of its cache and
+    /// its prefix cache (labels trimmed to those read).
+    const VLLM_CACHE: &str = r#"# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2"} 37.0
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 5.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="23296",num_gpu_blocks="182",num_gpu_blocks_override="None"} 1.0
+"#;
+
+    #[test]
+    fn vllm_states_its_cache_in_labels_and_its_prefix_hits_in_counters() {
+        let s = parse_engine_state(VLLM_CACHE).unwrap();
+        assert_eq!(s.engine, EngineKind::Vllm);
+        assert_eq!(s.kv_capacity_tokens, Some(23296.0));
+        // 1 GiB over 23,296 tokens: 30 layers x 3 KV heads x 64 dims x 2 x 4 bytes, rounded up by the blocks.
+        assert!(
+            (s.kv_bytes_per_token.unwrap() - 46_091.0).abs() < 1.0,
+            "{s:?}"
+        );
+        assert_eq!(s.prefix_caching, Some(true));
+        assert_eq!(s.prefix_cache_queries_total, Some(37.0));
+        assert_eq!(s.prefix_cache_hits_total, Some(5.0));
+        // Blocks overridden: the size holds, the memory label does not.
+        let overridden = VLLM_CACHE
+            .replace(
+                "kv_cache_size_tokens=\"23296\"",
+                "kv_cache_size_tokens=\"2048\"",
+            )
+            .replace(
+                "num_gpu_blocks_override=\"None\"",
+                "num_gpu_blocks_override=\"16\"",
+            );
+        let s = parse_engine_state(&overridden).unwrap();
+        assert_eq!(
+            (s.kv_capacity_tokens, s.kv_bytes_per_token),
+            (Some(2048.0), None)
+        );
+        // An older vLLM without kv_cache_size_tokens: blocks x block size.
+        let older = VLLM_CACHE.replace("kv_cache_size_tokens=\"23296\",", "");
+        assert_eq!(
+            parse_engine_state(&older).unwrap().kv_capacity_tokens,
+            Some(23296.0)
+        );
+        // Other engines state none of it.
+        let s = parse_engine_state("llamacpp:requests_processing 1\n").unwrap();
+        assert_eq!(
+            (s.kv_capacity_tokens, s.prefix_cache_hits_total),
+            (None, None)
+        );
+    }
+
     use super::what_it_said;
 
     #[test]

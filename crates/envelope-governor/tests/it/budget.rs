@@ -15,6 +15,7 @@ fn row(input: u64, output: u64, safe: u64) -> BucketLimit {
         input_tokens: input,
         output_tokens: output,
         safe_concurrency: safe,
+        concurrency_after_headroom: None,
         kv_tokens: safe * (input + output),
         ttft_p95_ms: None,
         itl_p95_ms: None,

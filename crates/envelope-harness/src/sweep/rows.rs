@@ -72,6 +72,9 @@ pub struct ProbeRow {
     pub goodput_req_per_s: f64,
     pub kv_usage_max: Option<f64>,
     pub preemptions: Option<u64>,
+    /// Prompt tokens found in the server's prefix cache over those looked
+    /// up (empty: the server exports no counters).
+    pub prefix_cache_hit_rate: Option<f64>,
     pub peak_memory_bytes: Option<u64>,
     /// False when the load generator could not keep up.
     pub valid: bool,
@@ -166,6 +169,7 @@ pub(super) fn push_rows(
         goodput_req_per_s: s.goodput_req_per_s,
         kv_usage_max: s.kv_usage_max,
         preemptions: s.preemptions,
+        prefix_cache_hit_rate: s.prefix_cache_hit_rate,
         peak_memory_bytes: s.peak_memory_bytes,
         valid: s.valid,
         breaches: s

@@ -185,12 +185,19 @@ fn memory_at_rest(pid: Option<u32>, gpu_used_before: Option<u64>) -> MemoryRepor
     }
 }
 
-/// The configured KV capacity, else the server's own figure, else 0 (unknown).
-fn kv_capacity(cfg: &BenchConfig, driver: &HttpDriver) -> u64 {
-    cfg.http
+/// The KV figures a server states of itself (vLLM's `cache_config_info`,
+/// TGI's and envelope's gauges): capacity (the configured one first) and
+/// bytes a token; 0 (unknown) where it states none.
+fn fill_server_kv(cfg: &BenchConfig, driver: &HttpDriver, memory: &mut MemoryReport) {
+    let state = driver.metrics();
+    let stated = |v: Option<f64>| v.filter(|v| *v > 0.0).map(|v| v.round() as u64);
+    memory.kv_capacity_tokens = cfg
+        .http
         .kv_capacity_tokens
-        .or_else(|| driver.kv_capacity_tokens())
-        .unwrap_or(0)
+        .or_else(|| stated(state.as_ref()?.kv_capacity_tokens))
+        .unwrap_or(0);
+    memory.kv_bytes_per_token =
+        stated(state.as_ref().and_then(|s| s.kv_bytes_per_token)).unwrap_or(0);
 }
 
 fn open_launch(
@@ -220,7 +227,7 @@ fn open_launch(
     let mut driver = http_driver(cfg, &base_url)?;
     driver.pid = Some(server.pid());
     let mut memory = memory_at_rest(Some(server.pid()), gpu_before);
-    memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+    fill_server_kv(cfg, &driver, &mut memory);
     let checks = match check_server(&mut driver, cfg.http.tokenizer.as_deref()) {
         Ok(c) => c,
         Err(e) => {
@@ -251,7 +258,7 @@ pub(super) fn open(
         Target::Http { base_url } => {
             let mut driver = http_driver(cfg, base_url)?;
             let mut memory = memory_at_rest(None, None);
-            memory.kv_capacity_tokens = kv_capacity(cfg, &driver);
+            fill_server_kv(cfg, &driver, &mut memory);
             let checks = check_server(&mut driver, cfg.http.tokenizer.as_deref())
                 .map_err(|e| format!("server check failed: {e}"))?;
             Ok(Session {

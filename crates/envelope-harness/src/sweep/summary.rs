@@ -260,6 +260,10 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
         offered_rate_per_s: run.offered_rate_per_s,
         kv_usage_max: run.kv_usage_max,
         preemptions: run.preemptions,
+        prefix_cache_hit_rate: run
+            .prefix_cache
+            .filter(|c| c.queries > 0.0)
+            .map(|c| (c.hits / c.queries).clamp(0.0, 1.0)),
         peak_memory_bytes: run.peak_memory_bytes,
         breaches: vec![],
         // A worker that idled between its requests for over

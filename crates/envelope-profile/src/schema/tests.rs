@@ -84,7 +84,7 @@ fn the_table_comes_from_the_sweep_per_bucket() {
         ),
         bucket(64, 32, 13, &[(1, 50.0), (8, 200.0), (16, 700.0)]),
     ]);
-    let l = Limits::from_config(&c, 5000);
+    let l = Limits::from_config(&c, 5000, 0.1);
     assert_eq!(l.max_concurrent_seqs, 13);
     assert_eq!((l.max_context_tokens, l.max_output_tokens), (288, 32));
     let labels: Vec<String> = l.buckets.iter().map(|b| b.label()).collect();
