@@ -134,7 +134,7 @@ ttft_p95_ms = {TTFT_SLO_MS}
         server.base
     );
     let t0 = Instant::now();
-    let (status, profile, err) = sweep(&dir, &cfg);
+    let (status, profile, err) = sweep(dir, &cfg);
     eprintln!(
         "vLLM sweep: {:.0} s\n{}",
         t0.elapsed().as_secs_f64(),
