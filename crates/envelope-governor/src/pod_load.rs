@@ -85,9 +85,16 @@ impl PodLoad {
         {
             return 1.0;
         }
-        ratio(self.envelope_used, self.envelope_limit)
-            .max(self.kv_reserved_ratio())
-            .max(ratio(self.sequences, self.sequence_limit))
+        // Against what the envelope can hold of the cheapest shape: its
+        // charge runs on the bucket's unrounded concurrency (4.5 admits 4,
+        // which hold 0.89 of the envelope), so k of 4 reads k/4.
+        let cheapest = self.cheapest_sequence.max(1);
+        ratio(
+            self.envelope_used,
+            self.envelope_limit / cheapest * cheapest,
+        )
+        .max(self.kv_reserved_ratio())
+        .max(ratio(self.sequences, self.sequence_limit))
     }
 
     /// The share of the pod's measured capacity still free to admit, 0..1
@@ -146,6 +153,19 @@ mod tests {
             assert_eq!(holding(c, c).saturation(), 1.0, "{c}");
             assert_eq!(holding(c, c).admission_headroom(), 0.0);
         }
+        // A bucket whose concurrency after the headroom is 4.5: each of
+        // its sequences is 1/4.5 of the envelope, 4 fit, and k of them
+        // read k/4.
+        let unrounded = |n: u64| PodLoad {
+            cheapest_sequence: (UNITS as f64 / 4.5) as u64,
+            envelope_used: n * (UNITS as f64 / 4.5) as u64,
+            ..holding(4, n)
+        };
+        for n in 0..4 {
+            let s = unrounded(n).saturation();
+            assert!((s - n as f64 / 4.0).abs() < 1e-6, "{n}: {s}");
+        }
+        assert_eq!(unrounded(4).saturation(), 1.0);
     }
 
     #[test]

@@ -27,7 +27,7 @@ impl Governor {
         let buckets = &settings.limits.buckets;
         let cheapest_sequence = buckets
             .iter()
-            .map(|b| units_per_sequence(b.safe_concurrency))
+            .map(crate::policy::units_of)
             .min()
             .unwrap_or(units_per_sequence(1));
         let smallest_sequence_kv = buckets
