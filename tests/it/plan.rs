@@ -300,14 +300,27 @@ headroom = 0.1
         .lines()
         .find(|l| l.starts_with("replayed `trace`"))
         .unwrap_or_else(|| panic!("{text}"));
-    // 60 requests in 15 s at one replica: the trace once.
-    let sent: u64 = line
+    // 60 requests in 15 s, at one replica's share: the trace once where
+    // one replica is planned, 30 where two are. How many depends on what
+    // this machine measured (one on the 2-core Xeon, two on the 2-core
+    // AMD EPYC of 2026-12-06, with the same build).
+    let replicas: f64 = line
+        .split(" replicas planned")
+        .next()
+        .and_then(|t| t.rsplit('(').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    let sent: f64 = line
         .split(": ")
         .nth(1)
         .and_then(|t| t.split(' ').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{line}"));
-    assert!((55..=61).contains(&sent), "{line}");
+    let share = 60.0 / replicas;
+    assert!(
+        (sent - share).abs() <= 2.0 + 0.05 * share,
+        "{line}: {share:.0} expected"
+    );
     assert!(
         text.contains("plan confirmed") || text.contains("plan OPTIMISTIC"),
         "{text}"
