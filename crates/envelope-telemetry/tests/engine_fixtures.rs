@@ -24,7 +24,8 @@ fn vllm_v1_with_two_data_parallel_engines() {
         "usage is the most loaded engine's"
     );
     assert_eq!(s.preemptions_total, Some(8.0));
-    assert_eq!(s.kv_capacity_tokens, None, "vLLM has it only in labels");
+    // In cache_config_info's labels: num_gpu_blocks x block_size.
+    assert_eq!(s.kv_capacity_tokens, Some(446560.0));
     assert_eq!(s.prompt_tokens_total, Some(223456.0));
     assert_eq!(s.generation_tokens_total, Some(125432.0));
     assert!(s.rejected.is_empty());
