@@ -149,11 +149,22 @@ pub struct LoadConfig {
     pub rounds: u32,
     #[serde(default = "eight")]
     pub min_requests: u32,
+    /// closed: spread the workers' starts over about one request time (the
+    /// median end-to-end latency of the level below in the bucket), so
+    /// that a probe measures its level's steady state, not a burst; what
+    /// is sent before the last worker starts is the warm-up, kept in
+    /// `requests.csv` and left out of the verdicts. Default `false` (all
+    /// start together): beside vLLM the steady state's safe points were
+    /// 2-5x the burst's, and a governor enforcing them let the safe count
+    /// arriving at once break the TTFT SLO threefold (docs/sweep.md,
+    /// *Load shape*).
+    #[serde(default)]
+    pub ramp: bool,
     /// The most requests a level's probes may send to decide its latency
     /// verdicts at `slo.confidence` (a probe at the bracket's ends is
     /// extended until then); a level still undecided is never passed.
-    /// Default: four times the fewest that could decide them (45 requests
-    /// for a p95 at 90%, 230 for a p99), at least `min_requests`.
+    /// Default: four times the fewest that could decide them (41 requests
+    /// for a p95 at 90%, 108 for a p99), at least `min_requests`.
     pub max_requests: Option<u32>,
     /// How many times the whole search runs (`envelope sweep --repeats`),
     /// every configuration once a repeat, in turn, so that drift hits
@@ -277,6 +288,7 @@ impl Default for LoadConfig {
             mode: closed(),
             rounds: 2,
             min_requests: 8,
+            ramp: false,
             max_requests: None,
             repeats: 1,
             rate_step_per_s: 1.0,
@@ -731,6 +743,8 @@ impl BenchConfig {
                 return Err(err(format!("{name} must be in [0, 1], got {v}")));
             }
         }
+        let decision = s.decision.unwrap_or_default();
+        decision.check().map_err(err)?;
         if !t.values.is_empty() && !matches!(target, Target::Launch { .. }) {
             return Err(err("target.values is for the launch target".into()));
         }
@@ -753,7 +767,11 @@ impl BenchConfig {
             trace: TraceLoad::from_load(&raw.load).map_err(err)?,
             prompts,
             quality,
-            slo: raw.slo,
+            // The profile states the rule its verdicts were decided by.
+            slo: Slo {
+                decision: Some(decision),
+                ..raw.slo
+            },
         };
         // Every configuration's command renders (all placeholders known,
         // every matrix value mapped) before anything is launched.

@@ -325,18 +325,54 @@ fn client_cpu(driver: &dyn Driver) -> Option<f64> {
 /// honour up to 60 s; a probe is shorter).
 const MAX_RETRY_AFTER_S: f64 = 10.0;
 
-/// `concurrency` workers send `total_requests` between them, all starting
-/// together, or fewer once `stop_when` says so; a worker refused with
-/// Retry-After waits that long first.
+/// A closed loop's workers: how many, and over how long their starts are
+/// spread (worker `w` of `count` starts `w / count` of `ramp` in; zero:
+/// all together, a burst).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Workers {
+    pub count: u32,
+    pub ramp: Duration,
+}
+
+impl Workers {
+    /// When the last worker starts, from the probe's start: requests sent
+    /// before it are the warm-up.
+    pub fn level_reached(&self) -> Duration {
+        self.start_of(self.count.saturating_sub(1))
+    }
+
+    fn start_of(&self, worker: u32) -> Duration {
+        self.ramp
+            .mul_f64(f64::from(worker) / f64::from(self.count.max(1)))
+    }
+}
+
+impl From<u32> for Workers {
+    /// Workers that all start together.
+    fn from(count: u32) -> Workers {
+        Workers {
+            count,
+            ramp: Duration::ZERO,
+        }
+    }
+}
+
+/// `workers` send `total_requests` between them, or fewer once
+/// `stop_when` says so; a worker refused with Retry-After waits that long
+/// first. Requests sent before the last worker starts are marked
+/// `warmup`.
 pub fn closed_loop(
     driver: &Arc<dyn Driver>,
     prompts: &Prompts,
     bucket: Bucket,
-    concurrency: u32,
+    workers: impl Into<Workers>,
     total_requests: u32,
     salt: u64,
     stop_when: Option<StopWhen>,
 ) -> ProbeRun {
+    let shape: Workers = workers.into();
+    let concurrency = shape.count;
+    let reached_s = shape.level_reached().as_secs_f64();
     let collected = Collected::new(stop_when);
     let issued = Arc::new(AtomicU64::new(0));
     let gap = Arc::new(Mutex::new(0f64));
@@ -359,6 +395,9 @@ pub fn closed_loop(
             std::thread::spawn(move || {
                 let mut last_end: Option<Instant> = None;
                 barrier.wait();
+                // The ramp: this worker's start, from the probe's.
+                let wait = (start + shape.start_of(w)).saturating_duration_since(Instant::now());
+                std::thread::sleep(wait);
                 loop {
                     if collected.stopped() {
                         return;
@@ -373,7 +412,8 @@ pub fn closed_loop(
                         let mut m = gap.lock().unwrap_or_else(|e| e.into_inner());
                         *m = m.max(g);
                     }
-                    let rec = timed(&*d, &req, w, start, &in_flight);
+                    let mut rec = timed(&*d, &req, w, start, &in_flight);
+                    rec.warmup = rec.start_s < reached_s;
                     // A refusal's Retry-After is honoured, as a client of a
                     // governor does; the wait is not a client gap.
                     if let Some(s) = rec.retry_after_s {
@@ -640,6 +680,62 @@ mod tests {
         assert_eq!(fit_tokens(&[1, 2, 3], 7), vec![1, 2, 3, 1, 2, 3, 1]);
         assert_eq!(fit_tokens(&[1, 2, 3], 2), vec![1, 2]);
         assert!(fit_tokens(&[], 4).is_empty());
+    }
+
+    /// Answers each request after `ms` milliseconds.
+    struct Slow(u64);
+
+    impl Driver for Slow {
+        fn vocab_size(&self) -> usize {
+            1000
+        }
+        fn send(&self, req: &LoadRequest, _t0: Instant, rec: &mut RequestRecord) {
+            std::thread::sleep(Duration::from_millis(self.0));
+            rec.output_tokens = req.output_tokens;
+            rec.finish_reason = Some("length".into());
+        }
+        fn snapshot(&self) -> Snapshot {
+            Snapshot::default()
+        }
+    }
+
+    #[test]
+    fn ramped_workers_start_in_turn_and_their_first_requests_are_warm_up() {
+        let bucket = Bucket {
+            input_tokens: 5,
+            output_tokens: 2,
+        };
+        let d: Arc<dyn Driver> = Arc::new(Slow(200));
+        let workers = Workers {
+            count: 4,
+            ramp: Duration::from_millis(200),
+        };
+        assert_eq!(workers.level_reached(), Duration::from_millis(150));
+        let run = closed_loop(&d, &Prompts::Synthetic, bucket, workers, 12, 0, None);
+        assert_eq!(run.records.len(), 12);
+        // Each worker's first request: worker w no sooner than w x 50 ms.
+        for w in 0..4u32 {
+            let first = run
+                .records
+                .iter()
+                .filter(|r| r.worker == w)
+                .map(|r| r.start_s)
+                .fold(f64::INFINITY, f64::min);
+            assert!(first >= 0.05 * f64::from(w) - 1e-3, "worker {w} at {first}");
+        }
+        // Sent before the last worker started (150 ms): the first requests
+        // of workers 0-2, and no other (each takes 200 ms).
+        let warm: Vec<_> = run.records.iter().filter(|r| r.warmup).collect();
+        assert_eq!(warm.len(), 3, "{:?}", run.records);
+        assert!(warm.iter().all(|r| r.start_s < 0.15 && r.worker < 3));
+        assert!(run
+            .records
+            .iter()
+            .filter(|r| !r.warmup)
+            .all(|r| r.start_s >= 0.15));
+        // Started together (no ramp), nothing is warm-up.
+        let burst = closed_loop(&d, &Prompts::Synthetic, bucket, 4, 8, 0, None);
+        assert!(burst.records.iter().all(|r| !r.warmup));
     }
 
     fn arrivals(rate_per_s: f64, total_requests: u32) -> Arrivals {

@@ -498,6 +498,7 @@ mod tests {
         ProbeSummary {
             concurrency: c,
             requests: 8,
+            warmup_requests: 0,
             errors: 0,
             refused: 0,
             duration_s: 1.0,

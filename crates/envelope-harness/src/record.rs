@@ -30,6 +30,10 @@ pub struct RequestRecord {
     pub retry_after_s: Option<f64>,
     /// The answer came through `envelope govern` (it has its headers).
     pub governed: bool,
+    /// Sent while a closed loop's workers were still ramping in (before
+    /// the last one started): kept in `requests.csv`, left out of the
+    /// probe's latency verdicts, which are about the level itself.
+    pub warmup: bool,
 }
 
 /// One request of a probe.

@@ -130,7 +130,46 @@ fn slo_line(p: &Profile) -> String {
         s.max_kv_usage,
         s.zero_preemptions,
         s.headroom
+    ) + &decision_line(s)
+}
+
+/// How the probes loaded the server.
+fn load_line(l: &envelope_profile::LoadShape) -> String {
+    let budget = l
+        .max_requests
+        .map_or("four times the fewest that can decide".to_string(), |m| {
+            m.to_string()
+        });
+    let shape = if l.mode != "closed" {
+        format!("{} arrivals", l.mode)
+    } else if l.ramp {
+        "closed loop, workers ramped in over the level below's median end-to-end latency; what they sent before the last one started (the warm-up) counts in throughput, not in the verdicts".to_string()
+    } else {
+        "closed loop, workers started together".to_string()
+    };
+    format!(
+        "{shape}; screens of max(concurrency x {}, {}) requests, levels decided within {budget} requests",
+        l.rounds, l.min_requests
     )
+}
+
+/// How the verdicts were decided: the sequential test's zones and
+/// confidence, or the exceedance bound for a profile that states none.
+fn decision_line(s: &envelope_profile::Slo) -> String {
+    match s.decision {
+        Some(d) => format!(
+            "; verdicts by a sequential test at confidence {}: a p95 holds at {}% over its limit and is breached at {}%, a p99 at {}% and {}%",
+            s.confidence,
+            d.p95.p0 * 100.0,
+            d.p95.p1 * 100.0,
+            d.p99.p0 * 100.0,
+            d.p99.p1 * 100.0
+        ),
+        None => format!(
+            "; verdicts by the exceedance bound at confidence {}",
+            s.confidence
+        ),
+    }
 }
 
 pub fn markdown(p: &Profile) -> String {
@@ -141,6 +180,9 @@ pub fn markdown(p: &Profile) -> String {
         p.probes_total,
         slo_line(p)
     );
+    if let Some(l) = &p.load {
+        s += &format!("Load: {}.\n\n", load_line(l));
+    }
     s += &format!(
         "**Selected `{}`**, limits for the governor: {}.\n\n",
         p.selected,

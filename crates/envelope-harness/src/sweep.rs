@@ -3,7 +3,7 @@
 //! failed load is recorded and the sweep goes on.
 
 use crate::config::{BenchConfig, MatrixPoint};
-use crate::load::{closed_loop, open_loop, Arrivals, ProbeRun};
+use crate::load::{closed_loop, open_loop, Arrivals, ProbeRun, Workers};
 use crate::record::RequestRecord;
 use envelope_profile::{
     ConfigResult, Constraint, LevelSearch, LevelStep, LevelVerdict, Limits, MemoryReport,
@@ -11,6 +11,7 @@ use envelope_profile::{
 };
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Duration;
 
 pub struct SweepOutput {
     pub profile: Profile,
@@ -131,6 +132,25 @@ fn run_point(
             } else {
                 format!("concurrency {k}")
             };
+            // Closed loop: the workers ramp in over about one request time,
+            // the median end-to-end latency of the nearest level below
+            // (none for a bucket's first probe); what they send before the
+            // last one starts is warm-up, on top of what the probe needs.
+            let workers = Workers {
+                count: k,
+                ramp: if cfg.load.ramp && !open_loop_mode && k > 1 {
+                    probes
+                        .iter()
+                        .filter(|(l, _)| *l < k)
+                        .max_by_key(|(l, _)| *l)
+                        .map_or(Duration::ZERO, |(_, p)| {
+                            Duration::from_secs_f64(p.e2e_ms.p50.max(0.0) / 1e3)
+                        })
+                } else {
+                    Duration::ZERO
+                },
+            };
+            let warmup = if workers.ramp.is_zero() { 0 } else { k };
             let before = if extending { runs.remove(&k) } else { None };
             let done = before.as_ref().map_or(0, |(_, r)| r.records.len() as u32);
             let total = if extending {
@@ -138,7 +158,7 @@ fn run_point(
             } else if open_loop_mode {
                 ((rate * cfg.load.duration_s).round() as u32).max(cfg.load.min_requests)
             } else {
-                (k * cfg.load.rounds).max(cfg.load.min_requests)
+                (k * cfg.load.rounds).max(cfg.load.min_requests) + warmup
             };
             let what = if extending {
                 format!("{name} {bname}: deciding {level} (up to {total} more requests)")
@@ -163,7 +183,15 @@ fn run_point(
                     };
                     open_loop(&session.driver, &cfg.prompts, *bucket, arrivals, stop)
                 } else {
-                    closed_loop(&session.driver, &cfg.prompts, *bucket, k, n, salt, stop)
+                    closed_loop(
+                        &session.driver,
+                        &cfg.prompts,
+                        *bucket,
+                        workers,
+                        n,
+                        salt,
+                        stop,
+                    )
                 }
             };
             let run = if !extending {
@@ -185,7 +213,11 @@ fn run_point(
                     let need = requests_to_hold(&seen, &cfg.slo, bucket.output_tokens);
                     let chunk = match need {
                         Some(n) if n > 0 && left > 0 && !decided => {
-                            let n = if open_loop_mode { n } else { n.div_ceil(k) * k };
+                            let n = if open_loop_mode {
+                                n
+                            } else {
+                                n.div_ceil(k) * k + warmup
+                            };
                             if chunk_no == 1 {
                                 n.min(left)
                             } else {
@@ -406,6 +438,13 @@ pub fn run_sweep(
         no_safe_point,
         probes_total,
         quality,
+        load: Some(envelope_profile::LoadShape {
+            mode: cfg.load.mode.clone(),
+            ramp: cfg.load.ramp && !cfg.load.is_open_loop(),
+            rounds: cfg.load.rounds,
+            min_requests: cfg.load.min_requests,
+            max_requests: cfg.load.max_requests,
+        }),
     };
     SweepOutput {
         profile,

@@ -135,6 +135,13 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     let requests = std::fs::read_to_string(dir.join("requests.csv")).unwrap();
     assert!(requests.lines().count() > p.probes_total as usize);
     std::fs::remove_dir_all(&dir).ok();
+    // The load shape and the decision rule are stated: bursts by default.
+    let load = p.load.as_ref().unwrap();
+    assert!(!load.ramp && load.mode == "closed" && load.rounds == 2);
+    let rule = p.slo.decision.unwrap();
+    assert_eq!((rule.p95.p0, rule.p95.p1), (0.05, 0.10));
+    assert!(md.contains("workers started together"), "{md}");
+    assert!(md.contains("sequential test at confidence 0.9"), "{md}");
 
     // Run at the safe concurrency for longer: no preemption, SLOs met.
     let loaded = envelope_engine::load(
@@ -172,6 +179,55 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     assert_eq!(s.preemptions, Some(0));
     assert!(s.breaches.is_empty(), "{:?}", s.breaches);
     assert_eq!(s.errors, 0);
+}
+
+#[test]
+fn a_ramped_sweep_marks_its_warm_up_and_says_so() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let text = r#"
+[target]
+kind = "engine"
+model = "dummy:tiny"
+kv_cache_bytes = "4MiB"
+[matrix]
+precisions = ["f32"]
+batch_policies = ["continuous"]
+buckets = ["16x32"]
+concurrency_max = 4
+[load]
+rounds = 2
+ramp = true
+max_client_gap_ms = 1000
+[slo]
+itl_p95_ms = 2000
+"#;
+    let cfg = BenchConfig::parse(text, Path::new("ramp.toml")).unwrap();
+    let out = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {});
+    let p = &out.profile;
+    assert!(p.load.as_ref().unwrap().ramp);
+    let probes = &p.configs[0].buckets[0].probes;
+    // The first probe (one worker) has no ramp; every probe above it ran
+    // the level below's request time as its ramp, and its first requests
+    // were warm-up, on top of what the screen needs.
+    for s in probes {
+        if s.concurrency == 1 {
+            assert_eq!(s.warmup_requests, 0);
+        } else {
+            assert!(s.warmup_requests >= 1, "{s:?}");
+            // Two rounds and a round's worth for the warm-up.
+            assert!(s.requests >= u64::from(s.concurrency) * 3, "{s:?}");
+        }
+    }
+    assert!(probes.iter().any(|s| s.concurrency > 1));
+    let warm = out.requests.iter().filter(|r| r.warmup).count() as u64;
+    assert_eq!(warm, probes.iter().map(|s| s.warmup_requests).sum::<u64>());
+    let dir = std::env::temp_dir().join(format!("envelope-sweep-ramp-{}", std::process::id()));
+    out.write(&dir).unwrap();
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(md.contains("workers ramped in"), "{md}");
+    let csv = std::fs::read_to_string(dir.join("requests.csv")).unwrap();
+    assert!(csv.lines().next().unwrap().contains("warmup"), "{csv}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -59,9 +59,10 @@ pub enum Decision {
 }
 
 /// Whether a `percentile` latency SLO holds, from `over` of `n` requests
-/// over its limit: it holds when the upper bound on the share over the
-/// limit is within `1 - percentile`, is breached when the lower bound is
-/// past it, and is undecided between.
+/// over its limit, by the exceedance bound (the rule before
+/// [`SequentialTest`], kept to compare with it): it holds when the upper
+/// bound on the share over the limit is within `1 - percentile`, is
+/// breached when the lower bound is past it, and is undecided between.
 pub fn percentile_holds(over: u64, n: u64, percentile: f64, confidence: f64) -> Decision {
     let allowed = 1.0 - percentile;
     if rate_upper_bound(over, n, confidence) <= allowed {
@@ -70,6 +71,147 @@ pub fn percentile_holds(over: u64, n: u64, percentile: f64, confidence: f64) -> 
         Decision::Breached
     } else {
         Decision::Undecided
+    }
+}
+
+/// The zone between a percentile SLO that holds and one that is breached,
+/// as shares of the requests over its limit: at most `p0` over, it holds;
+/// at least `p1` over, it is breached; between, either answer is right.
+/// A zone is what lets a sequential test decide a level whose true share
+/// sits at the limit, which an exceedance bound never can.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ShareZone {
+    pub p0: f64,
+    pub p1: f64,
+}
+
+/// How a level's percentile SLOs are decided: Wald's sequential
+/// probability ratio test between "the share over the limit is `p0`" and
+/// "it is `p1`", each error at most `1 - confidence` (see
+/// [`SequentialTest`]). The zones, per percentile, are stated in the
+/// profile; docs/sweep.md says why these defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionRule {
+    /// TTFT and ITL p95: holds at 5% over, breached at 10%.
+    #[serde(default = "p95_zone")]
+    pub p95: ShareZone,
+    /// End-to-end p99: holds at 1% over, breached at 3%.
+    #[serde(default = "p99_zone")]
+    pub p99: ShareZone,
+}
+
+fn p95_zone() -> ShareZone {
+    ShareZone { p0: 0.05, p1: 0.10 }
+}
+
+fn p99_zone() -> ShareZone {
+    ShareZone { p0: 0.01, p1: 0.03 }
+}
+
+impl Default for DecisionRule {
+    fn default() -> Self {
+        DecisionRule {
+            p95: p95_zone(),
+            p99: p99_zone(),
+        }
+    }
+}
+
+impl DecisionRule {
+    /// The zone of a `percentile` (0.95 or 0.99); another percentile gets
+    /// one from its allowed share to twice it.
+    pub fn zone(&self, percentile: f64) -> ShareZone {
+        if (percentile - 0.95).abs() < 1e-9 {
+            self.p95
+        } else if (percentile - 0.99).abs() < 1e-9 {
+            self.p99
+        } else {
+            let allowed = 1.0 - percentile;
+            ShareZone {
+                p0: allowed,
+                p1: (2.0 * allowed).min(1.0),
+            }
+        }
+    }
+
+    /// Each zone within (0, 1) with `p0 < p1`: the field that is not.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, z) in [("p95", self.p95), ("p99", self.p99)] {
+            if !(z.p0 > 0.0 && z.p0 < z.p1 && z.p1 < 1.0) {
+                return Err(format!(
+                    "slo.decision.{name} must have 0 < p0 < p1 < 1, got p0 = {}, p1 = {}",
+                    z.p0, z.p1
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The test that decides `percentile` at `confidence`.
+    pub fn test(&self, percentile: f64, confidence: f64) -> SequentialTest {
+        SequentialTest::new(self.zone(percentile), confidence)
+    }
+}
+
+/// Wald's sequential probability ratio test on the requests over a limit:
+/// each request over it adds `ln(p1 / p0)` to the evidence for a breach,
+/// each under it `ln((1 - p1) / (1 - p0))` (negative); the level is
+/// breached once the sum reaches `ln(c / (1 - c))` and holds once it falls
+/// to `-ln(c / (1 - c))`, so that a level at `p0` is called breached, and
+/// one at `p1` held, each at most about `1 - c` of the time. The expected
+/// number of requests is bounded at every true share (largest between
+/// `p0` and `p1`), where an exceedance bound at the limit spends its whole
+/// budget.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SequentialTest {
+    over_step: f64,
+    under_step: f64,
+    breach_at: f64,
+}
+
+impl SequentialTest {
+    pub fn new(zone: ShareZone, confidence: f64) -> Self {
+        let c = confidence.clamp(0.5 + 1e-9, 1.0 - 1e-9);
+        SequentialTest {
+            over_step: (zone.p1 / zone.p0).ln(),
+            under_step: ((1.0 - zone.p1) / (1.0 - zone.p0)).ln(),
+            breach_at: (c / (1.0 - c)).ln(),
+        }
+    }
+
+    /// The evidence for a breach after `over` of `n` requests over.
+    fn evidence(&self, over: u64, n: u64) -> f64 {
+        over as f64 * self.over_step + n.saturating_sub(over) as f64 * self.under_step
+    }
+
+    /// The decision after `over` of `n` requests over the limit.
+    pub fn decide(&self, over: u64, n: u64) -> Decision {
+        let e = self.evidence(over, n);
+        if e >= self.breach_at - 1e-12 {
+            Decision::Breached
+        } else if e <= -self.breach_at + 1e-12 {
+            Decision::Holds
+        } else {
+            Decision::Undecided
+        }
+    }
+
+    /// The fewest more requests, none of them over, after which the level
+    /// holds: 0 when it already does.
+    pub fn requests_to_hold(&self, over: u64, n: u64) -> u64 {
+        let short = self.evidence(over, n) + self.breach_at;
+        if short <= 1e-12 {
+            return 0;
+        }
+        (short / -self.under_step - 1e-9).ceil().max(0.0) as u64
+    }
+
+    /// The fewest requests that can show the level holds (none over): 41
+    /// for a p95 at 90% with the default zone, 108 for a p99.
+    pub fn min_requests(&self) -> u64 {
+        self.requests_to_hold(0, 0).max(1)
     }
 }
 
@@ -302,6 +444,162 @@ mod tests {
         assert_eq!(percentile_holds(1, 8, 0.95, 0.9), Decision::Undecided);
         assert_eq!(percentile_holds(2, 8, 0.95, 0.9), Decision::Breached);
         assert_eq!(percentile_holds(8, 8, 0.95, 0.9), Decision::Breached);
+    }
+
+    /// One simulated level at a true share `share` over the limit, decided
+    /// request by request by `decide` until it answers or `budget` runs
+    /// out: the decision and the requests it took.
+    fn simulate(
+        rng: &mut rand::rngs::StdRng,
+        share: f64,
+        budget: u64,
+        decide: &dyn Fn(u64, u64) -> Decision,
+    ) -> (Decision, u64) {
+        use rand::Rng;
+        let mut over = 0;
+        for n in 1..=budget {
+            over += u64::from(rng.random::<f64>() < share);
+            let d = decide(over, n);
+            if d != Decision::Undecided {
+                return (d, n);
+            }
+        }
+        (Decision::Undecided, budget)
+    }
+
+    /// Each rule's share of levels called breached, called held, and its
+    /// mean requests, over `trials` levels at a true `share`.
+    fn rates(
+        share: f64,
+        trials: u32,
+        budget: u64,
+        seed: u64,
+        decide: &dyn Fn(u64, u64) -> Decision,
+    ) -> (f64, f64, f64) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (mut breached, mut held, mut requests) = (0, 0, 0);
+        for _ in 0..trials {
+            let (d, n) = simulate(&mut rng, share, budget, decide);
+            breached += u32::from(d == Decision::Breached);
+            held += u32::from(d == Decision::Holds);
+            requests += n;
+        }
+        let t = f64::from(trials);
+        (
+            f64::from(breached) / t,
+            f64::from(held) / t,
+            requests as f64 / t,
+        )
+    }
+
+    /// Both rules on simulated levels of a `percentile` at 90%, each with
+    /// the budget a sweep gives it (four times the fewest requests that
+    /// can hold), checked after every request as the sweep checks: per
+    /// true share, (share, old breached, old held, old mean requests, new
+    /// breached, new held, new mean requests). Printed as the table in
+    /// docs/sweep.md.
+    fn compare_rules(percentile: f64, shares: &[f64], trials: u32) -> Vec<[f64; 7]> {
+        let c = 0.9;
+        let sprt = DecisionRule::default().test(percentile, c);
+        let old = |over, n| percentile_holds(over, n, percentile, c);
+        let new = |over, n| sprt.decide(over, n);
+        let (old_budget, new_budget) = (4 * min_requests(percentile, c), 4 * sprt.min_requests());
+        eprintln!("p{:.0}: | true share over | exceedance bound: breached, held, mean requests | sequential test: the same |", percentile * 100.0);
+        shares
+            .iter()
+            .enumerate()
+            .map(|(i, &share)| {
+                let seed = 7 + i as u64;
+                let (ob, oh, on) = rates(share, trials, old_budget, seed, &old);
+                let (nb, nh, nn) = rates(share, trials, new_budget, seed, &new);
+                eprintln!(
+                    "| {:.1}% | {:.1}%, {:.1}%, {on:.0} | {:.1}%, {:.1}%, {nn:.0} |",
+                    share * 100.0,
+                    ob * 100.0,
+                    oh * 100.0,
+                    nb * 100.0,
+                    nh * 100.0
+                );
+                [share, ob, oh, on, nb, nh, nn]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_sequential_test_keeps_its_errors_where_the_exceedance_bound_does_not() {
+        let zone = DecisionRule::default().p95;
+        let rows = compare_rules(
+            0.95,
+            &[0.0, 0.02, 0.04, 0.05, 0.06, 0.075, 0.09, 0.10, 0.12, 0.15],
+            2000,
+        );
+        for [share, ob, oh, on, nb, nh, nn] in rows {
+            // Up to p0 a breach is the error; from p1 on, a hold is.
+            if share <= zone.p0 {
+                assert!(nb <= 0.1, "{share}: breached {nb}");
+                // And the levels that hold are decided sooner, and more of
+                // them held.
+                if share > 0.0 {
+                    assert!(nn < on && nh > oh, "{share}: {nn} vs {on}, {nh} vs {oh}");
+                }
+            }
+            if share >= zone.p1 {
+                assert!(nh <= 0.1, "{share}: held {nh}");
+            }
+            // The exceedance bound, checked after every request, calls a
+            // level with 4% over its p95 limit breached far more often than
+            // its 10%: each look is another chance at an early lower bound
+            // past 5%.
+            if share == 0.04 {
+                assert!(ob > 0.15, "{share}: {ob}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_p99_zone_keeps_its_errors_too() {
+        let zone = DecisionRule::default().p99;
+        for [share, _, _, _, nb, nh, _] in compare_rules(0.99, &[0.0, 0.01, 0.02, 0.03, 0.05], 400)
+        {
+            if share <= zone.p0 {
+                assert!(nb <= 0.1, "{share}: breached {nb}");
+            }
+            if share >= zone.p1 {
+                assert!(nh <= 0.1, "{share}: held {nh}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_sequential_test_decides_at_worked_numbers() {
+        let t = DecisionRule::default().test(0.95, 0.9);
+        // ln 9 / -ln(0.90 / 0.95) = 40.6: 41 fast requests hold a p95.
+        assert_eq!(t.min_requests(), 41);
+        assert_eq!(t.decide(0, 41), Decision::Holds);
+        assert_eq!(t.decide(0, 40), Decision::Undecided);
+        // Each request over costs ln 2 / 0.054 = 12.8 more fast ones: one
+        // over in 41 needs 14 more.
+        assert_eq!(t.requests_to_hold(1, 41), 14);
+        assert_eq!(t.decide(1, 54), Decision::Undecided);
+        assert_eq!(t.decide(1, 55), Decision::Holds);
+        // 4 of 4 over: 4 ln 2 = 2.77 >= ln 9, breached; 3 of 3 is not.
+        assert_eq!(t.decide(4, 4), Decision::Breached);
+        assert_eq!(t.decide(3, 3), Decision::Undecided);
+        // The p95's allowance, 5 of 100, is not yet held (the exceedance
+        // bound never holds it); 5 of 110 is. 10 of 100 is not yet a
+        // breach, 11 of 100 is.
+        assert_eq!(t.decide(5, 100), Decision::Undecided);
+        assert_eq!(t.decide(5, 110), Decision::Holds);
+        assert_eq!(t.decide(10, 100), Decision::Undecided);
+        assert_eq!(t.decide(11, 100), Decision::Breached);
+        // A p99: 108 fast requests.
+        assert_eq!(DecisionRule::default().test(0.99, 0.9).min_requests(), 108);
+        // A zone that is not one is refused, naming the field.
+        let bad = DecisionRule {
+            p95: ShareZone { p0: 0.1, p1: 0.05 },
+            ..DecisionRule::default()
+        };
+        assert!(bad.check().unwrap_err().contains("slo.decision.p95"));
     }
 
     /// `repeats` values a side, lognormal with CV 8% around `mean`.

@@ -90,10 +90,25 @@ pub struct Slo {
     #[serde(default = "tenth")]
     pub headroom: f64,
     /// The confidence a probe's latency verdicts are decided at (see
-    /// [`crate::confidence`]): a p95 SLO holds once the upper bound on the
-    /// share of requests over its limit is within 5% at this confidence.
+    /// [`crate::confidence`]): each error of the sequential test, calling
+    /// a level at `p0` breached or one at `p1` held, at most `1 -
+    /// confidence`.
     #[serde(default = "default_confidence")]
     pub confidence: f64,
+    /// The zones the sequential test decides between, per percentile. A
+    /// sweep always states them in its profile; a profile without them
+    /// was decided by the exceedance bound (before 2026-12-06).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<crate::confidence::DecisionRule>,
+}
+
+impl Slo {
+    /// The sequential test that decides `percentile` at this confidence.
+    pub fn test(&self, percentile: f64) -> crate::confidence::SequentialTest {
+        self.decision
+            .unwrap_or_default()
+            .test(percentile, self.confidence)
+    }
 }
 
 fn default_confidence() -> f64 {
@@ -125,6 +140,7 @@ impl Default for Slo {
             zero_preemptions: true,
             headroom: 0.1,
             confidence: default_confidence(),
+            decision: None,
         }
     }
 }
@@ -134,6 +150,10 @@ impl Default for Slo {
 pub struct ProbeSummary {
     pub concurrency: u32,
     pub requests: u64,
+    /// Of `requests`, those sent while a closed loop's workers ramped in:
+    /// in the throughput, not in the latency percentiles or verdicts.
+    #[serde(default)]
+    pub warmup_requests: u64,
     /// Failed requests, refusals not included.
     pub errors: u64,
     /// Requests a governed target refused with 429 and Retry-After (shed,
@@ -631,6 +651,30 @@ pub struct Profile {
     /// agreement against a reference precision.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quality: Option<crate::QualityReport>,
+    /// How the probes loaded the server; `None` in profiles before
+    /// 2026-12-06 (whose closed loops started every worker together).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<LoadShape>,
+}
+
+/// How a sweep's probes loaded the server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct LoadShape {
+    /// `closed` (a fixed number of workers, searched) or `poisson`.
+    pub mode: String,
+    /// Closed loop: the workers' starts were spread over the median
+    /// end-to-end latency of the level below in the bucket (a bucket's
+    /// first probe has none), and the requests sent before the last one
+    /// started (`warmup_requests` of each probe) are in the throughput but
+    /// not in the latency percentiles or verdicts. `false` (the default):
+    /// all started together, and each probe's verdict includes that burst.
+    pub ramp: bool,
+    /// A screening probe's requests: `max(concurrency x rounds,
+    /// min_requests)`, plus the warm-up (`concurrency`) when ramped.
+    pub rounds: u32,
+    pub min_requests: u32,
+    /// The most requests a level's probes may send to decide it.
+    pub max_requests: Option<u32>,
 }
 
 /// The JSON Schema of [`Profile`] (committed as `profiles/schema/profile.schema.json`).

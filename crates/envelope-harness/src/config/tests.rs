@@ -150,6 +150,10 @@ fn errors_name_the_file_and_the_field() {
             OK.replace("headroom = 0.25", "confidence = 0.3"),
             "slo.confidence",
         ),
+        (
+            format!("{OK}[slo.decision]\np95 = {{ p0 = 0.1, p1 = 0.05 }}\n"),
+            "slo.decision.p95",
+        ),
     ];
     for (text, field) in cases {
         let e = BenchConfig::parse(&text, Path::new("bench-configs/x.toml"))

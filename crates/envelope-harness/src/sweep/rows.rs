@@ -22,6 +22,8 @@ pub struct RequestRow {
     /// Closed loop: the worker; open loop: the arrival's index.
     pub worker: u32,
     pub start_s: f64,
+    /// Sent while the workers ramped in: not in the probe's verdicts.
+    pub warmup: bool,
     pub ttft_ms: Option<f64>,
     pub tpot_ms: Option<f64>,
     pub e2e_ms: f64,
@@ -55,6 +57,8 @@ pub struct ProbeRow {
     /// The searched value (concurrency, or rate in `load.rate_step_per_s` steps).
     pub ladder: u32,
     pub requests: u64,
+    /// Of `requests`, sent while the workers ramped in.
+    pub warmup_requests: u64,
     /// Failed requests (refusals not included).
     pub errors: u64,
     /// Refused with 429 and Retry-After (a governed target shedding load).
@@ -118,6 +122,7 @@ pub(super) fn push_rows(
             concurrency: s.concurrency,
             worker: r.worker,
             start_s: r.start_s,
+            warmup: r.warmup,
             ttft_ms: r.ttft_s.map(|t| t * 1e3),
             tpot_ms: (r.output_tokens > 1)
                 .then(|| (r.e2e_s - r.ttft_s.unwrap_or(0.0)) * 1e3 / (r.output_tokens - 1) as f64),
@@ -155,6 +160,7 @@ pub(super) fn push_rows(
         offered_rate_per_s: s.offered_rate_per_s,
         ladder,
         requests: s.requests,
+        warmup_requests: s.warmup_requests,
         errors: s.errors,
         refused: s.refused,
         shed_rate: s.refused as f64 / s.requests.max(1) as f64,

@@ -22,7 +22,7 @@ pub fn slo_checks<'a, I>(records: I, slo: &Slo) -> Vec<SloCheck>
 where
     I: Iterator<Item = &'a RequestRecord> + Clone,
 {
-    let ok = records.filter(|r| r.error.is_none() && r.retry_after_s.is_none());
+    let ok = records.filter(|r| r.error.is_none() && r.retry_after_s.is_none() && !r.warmup);
     let ms = |v: f64| v * 1e3;
     let check = |slo_c, limit_ms: f64, percentile, (samples, over): (u64, u64)| {
         let c = slo.confidence;
@@ -34,7 +34,7 @@ where
             over,
             over_share_lower: confidence::rate_lower_bound(over, samples, c),
             over_share_upper: confidence::rate_upper_bound(over, samples, c),
-            decision: confidence::percentile_holds(over, samples, percentile, c),
+            decision: slo.test(percentile).decide(over, samples),
         }
     };
     let count = |xs: &mut dyn Iterator<Item = f64>, limit: f64| {
@@ -104,21 +104,20 @@ pub fn level_verdict(s: &ProbeSummary, extended: bool) -> LevelVerdict {
 }
 
 /// The fewest requests of `output_tokens` each that can show every latency
-/// SLO holds at `slo.confidence` (none over the limit): 45 for a p95 at
-/// 90%, 230 for a p99 (see [`confidence::min_requests`]); ITL counts
-/// token gaps. 0 with no latency SLO.
+/// SLO holds (none over the limit): 41 for a p95 at 90% with the default
+/// zone, 108 for a p99 (see [`confidence::SequentialTest::min_requests`]);
+/// ITL counts token gaps. 0 with no latency SLO.
 pub fn requests_to_decide(slo: &Slo, output_tokens: u32) -> u32 {
-    let c = slo.confidence;
     let per_request = [(slo.ttft_p95_ms, 0.95), (slo.e2e_p99_ms, 0.99)]
         .into_iter()
         .filter(|(t, _)| t.is_some())
-        .map(|(_, p)| confidence::min_requests(p, c))
+        .map(|(_, p)| slo.test(p).min_requests())
         .max()
         .unwrap_or(0);
     let gaps = u64::from(output_tokens.saturating_sub(1).max(1));
     let per_gap = slo
         .itl_p95_ms
-        .map_or(0, |_| confidence::min_requests(0.95, c).div_ceil(gaps));
+        .map_or(0, |_| slo.test(0.95).min_requests().div_ceil(gaps));
     per_request.max(per_gap) as u32
 }
 
@@ -139,8 +138,8 @@ pub fn max_requests(load: &LoadConfig, slo: &Slo, output_tokens: u32) -> u32 {
         .max(load.min_requests)
 }
 
-/// The fewest more requests after which every latency SLO would hold at
-/// `slo.confidence` if none of them were over its limit (the size of the
+/// The fewest more requests after which every latency SLO would hold by
+/// the sequential test if none of them were over its limit (the size of the
 /// next chunk of a probe being decided); ITL counts `output_tokens - 1`
 /// gaps a request. `None` when an SLO is already breached or none is set;
 /// 0 when all hold.
@@ -153,27 +152,7 @@ pub fn requests_to_hold(records: &[RequestRecord], slo: &Slo, output_tokens: u32
     checks
         .iter()
         .map(|c| {
-            let holds = |n: u64| {
-                confidence::rate_upper_bound(c.over, n, slo.confidence) <= 1.0 - c.percentile
-            };
-            if holds(c.samples) {
-                return 0;
-            }
-            // The bound falls as samples grow with `over` fixed: double,
-            // then bisect.
-            let (mut lo, mut hi) = (c.samples, c.samples.max(1) * 2);
-            while !holds(hi) && hi < 1 << 40 {
-                (lo, hi) = (hi, hi * 2);
-            }
-            while hi - lo > 1 {
-                let m = lo + (hi - lo) / 2;
-                if holds(m) {
-                    hi = m;
-                } else {
-                    lo = m;
-                }
-            }
-            let more = hi - c.samples;
+            let more = slo.test(c.percentile).requests_to_hold(c.over, c.samples);
             if c.slo == Constraint::ItlP95 {
                 more.div_ceil(gaps)
             } else {
@@ -213,18 +192,21 @@ pub fn stop_when_decided(slo: &Slo, before: Vec<RequestRecord>, at_least: usize)
 /// validity, against `load`'s client tolerances).
 pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig) -> ProbeSummary {
     let ok: Vec<_> = run.records.iter().filter(|r| r.error.is_none()).collect();
+    // Latencies are the level's: the warm-up (sent while workers ramped
+    // in) counts in the throughput, not in the percentiles.
+    let steady: Vec<_> = ok.iter().filter(|r| !r.warmup).collect();
     let ms = |v: f64| v * 1e3;
-    let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_s.map(ms)).collect();
-    let itl: Vec<f64> = ok
+    let ttft: Vec<f64> = steady.iter().filter_map(|r| r.ttft_s.map(ms)).collect();
+    let itl: Vec<f64> = steady
         .iter()
         .flat_map(|r| r.itl_s.iter().map(|v| ms(*v)))
         .collect();
-    let tpot: Vec<f64> = ok
+    let tpot: Vec<f64> = steady
         .iter()
         .filter(|r| r.output_tokens > 1)
         .map(|r| ms((r.e2e_s - r.ttft_s.unwrap_or(0.0)) / (r.output_tokens - 1) as f64))
         .collect();
-    let e2e: Vec<f64> = ok.iter().map(|r| ms(r.e2e_s)).collect();
+    let e2e: Vec<f64> = steady.iter().map(|r| ms(r.e2e_s)).collect();
     let d = run.duration_s.max(1e-9);
     let out_tokens: u64 = ok.iter().map(|r| r.output_tokens as u64).sum();
     let in_tokens: u64 = ok.iter().map(|r| r.input_tokens as u64).sum();
@@ -243,6 +225,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
     let mut s = ProbeSummary {
         concurrency,
         requests: run.records.len() as u64,
+        warmup_requests: run.records.iter().filter(|r| r.warmup).count() as u64,
         errors: (run.records.len() - ok.len() - refused) as u64,
         refused: refused as u64,
         duration_s: run.duration_s,

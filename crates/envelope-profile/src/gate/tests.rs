@@ -92,6 +92,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
         }),
         no_safe_point: None,
         probes_total: 4,
+        load: None,
         quality: Some(QualityReport {
             model: "m.gguf".into(),
             precision: precision.into(),

@@ -188,6 +188,7 @@ fn profile() -> Profile {
         no_safe_point: None,
         probes_total: 4,
         quality: None,
+        load: None,
     }
 }
 

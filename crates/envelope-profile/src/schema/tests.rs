@@ -20,6 +20,7 @@ fn sample() -> Profile {
         no_safe_point: None,
         probes_total: 0,
         quality: None,
+        load: None,
     }
 }
 

@@ -410,13 +410,13 @@ fn s_records_with_two_slow() -> Vec<RequestRecord> {
 
 #[test]
 fn a_breach_is_decided_as_soon_as_the_sample_shows_it() {
-    // 3 of 4 over the TTFT limit: the lower bound on the share over it is
-    // already past 5%.
-    let mut records = vec![rec(0.9, 0.02, 33); 3];
+    // 4 of 5 over the TTFT limit: 4 ln 2 - 0.054 = 2.72, past ln 9, a
+    // breach by the sequential test.
+    let mut records = vec![rec(0.9, 0.02, 33); 4];
     records.push(rec(0.1, 0.02, 33));
     let s = summarise(
         &run(records.clone(), 1.0),
-        4,
+        5,
         &slo(),
         &LoadConfig::default(),
     );
@@ -426,7 +426,9 @@ fn a_breach_is_decided_as_soon_as_the_sample_shows_it() {
     let stop = stop_when_decided(&slo(), vec![], 0);
     assert!(stop(&records));
     // One fast answer decides nothing.
-    assert!(!stop(&records[3..]));
+    assert!(!stop(&records[4..]));
+    // 3 of 4 over is not yet one.
+    assert!(!stop(&records[1..]));
     // A limit that is not a percentile is decided outright.
     let mut kv = summarise(
         &run(vec![rec(0.1, 0.02, 33)], 1.0),
@@ -446,15 +448,15 @@ fn a_probe_stops_once_every_slo_holds_counting_the_requests_it_extends() {
     };
     let fast = vec![rec(0.1, 0.02, 33); 60];
     let stop = stop_when_decided(&p95s, vec![], 0);
-    assert!(!stop(&fast[..44]));
-    assert!(stop(&fast[..45]));
+    assert!(!stop(&fast[..40]));
+    assert!(stop(&fast[..41]));
     // A screening probe of 60 sends them all: the KV cache is only seen
     // under the whole load.
     let screen = stop_when_decided(&p95s, vec![], 60);
     assert!(!screen(&fast[..59]));
     assert!(screen(&fast));
-    // Extending a level's 40 earlier requests: 5 more decide it.
-    let stop = stop_when_decided(&p95s, fast[..40].to_vec(), 0);
+    // Extending a level's 36 earlier requests: 5 more decide it.
+    let stop = stop_when_decided(&p95s, fast[..36].to_vec(), 0);
     assert!(!stop(&fast[..4]));
     assert!(stop(&fast[..5]));
     // With no failure allowed, one failure decides.
@@ -474,24 +476,24 @@ fn a_probe_stops_once_every_slo_holds_counting_the_requests_it_extends() {
 #[test]
 fn the_requests_a_verdict_needs_follow_the_percentile_and_confidence() {
     let c90 = slo();
-    assert_eq!(requests_to_decide(&c90, 32), 230); // the p99
+    assert_eq!(requests_to_decide(&c90, 32), 108); // the p99
     let p95s = Slo {
         e2e_p99_ms: None,
         ..slo()
     };
-    assert_eq!(requests_to_decide(&p95s, 32), 45);
+    assert_eq!(requests_to_decide(&p95s, 32), 41);
     let itl_only = Slo {
         ttft_p95_ms: None,
         ..p95s.clone()
     };
-    // 45 token gaps: two answers of 32 tokens (31 gaps each).
+    // 41 token gaps: two answers of 32 tokens (31 gaps each).
     assert_eq!(requests_to_decide(&itl_only, 32), 2);
     let c99 = Slo {
         confidence: 0.99,
         ..p95s
     };
-    // ln(0.01) / ln(0.95) = 89.8.
-    assert_eq!(requests_to_decide(&c99, 32), 90);
+    // ln 99 / -ln(0.90 / 0.95) = 84.99.
+    assert_eq!(requests_to_decide(&c99, 32), 85);
     assert_eq!(requests_to_decide(&Slo::default(), 32), 0);
 }
 
@@ -502,8 +504,8 @@ fn a_level_may_spend_four_times_what_a_verdict_needs_unless_told() {
         ..slo()
     };
     let load = LoadConfig::default();
-    assert_eq!(max_requests(&load, &p95s, 32), 4 * 45);
-    assert_eq!(max_requests(&load, &slo(), 32), 4 * 230);
+    assert_eq!(max_requests(&load, &p95s, 32), 4 * 41);
+    assert_eq!(max_requests(&load, &slo(), 32), 4 * 108);
     let told = LoadConfig {
         max_requests: Some(100),
         ..LoadConfig::default()
@@ -529,32 +531,64 @@ fn the_next_chunk_is_what_would_decide_the_level_if_every_answer_were_fast() {
         ..slo()
     };
     let fast = vec![rec(0.1, 0.02, 33); 16];
-    // 16 clean TTFT samples of the 45 a p95 needs at 90%.
-    assert_eq!(requests_to_hold(&fast, &p95s, 33), Some(29));
-    // One over the limit: 1 of n holds from n = 77 (0.9^... solved by
-    // bisection in envelope_profile::confidence's tests).
+    // 16 clean TTFT samples of the 41 a p95 needs at 90%.
+    assert_eq!(requests_to_hold(&fast, &p95s, 33), Some(25));
+    // One over the limit: the level holds from the first n where the
+    // sequential test says so, and not one request before.
     let mut one_slow = fast.clone();
     one_slow.push(rec(0.9, 0.02, 33));
     let n = requests_to_hold(&one_slow, &p95s, 33).unwrap() as u64 + 17;
-    assert!(
-        envelope_profile::confidence::rate_upper_bound(1, n, 0.9) <= 0.05
-            && envelope_profile::confidence::rate_upper_bound(1, n - 1, 0.9) > 0.05,
-        "{n}"
-    );
+    let test = p95s.test(0.95);
+    assert_eq!(n, 55);
+    assert_eq!(test.decide(1, n), Decision::Holds);
+    assert_eq!(test.decide(1, n - 1), Decision::Undecided);
     // Decided already either way: nothing more, or nothing to wait for.
     assert_eq!(
         requests_to_hold(&vec![rec(0.1, 0.02, 33); 45], &p95s, 33),
         Some(0)
     );
     assert_eq!(
-        requests_to_hold(&vec![rec(0.9, 0.02, 33); 3], &p95s, 33),
+        requests_to_hold(&vec![rec(0.9, 0.02, 33); 4], &p95s, 33),
         None
     );
     assert_eq!(requests_to_hold(&fast, &Slo::default(), 33), None);
-    // ITL alone counts gaps: 32 a request, 45 needed, 16 requests in hand.
+    // ITL alone counts gaps: 32 a request, 41 needed, 1 request in hand.
     let itl = Slo {
         ttft_p95_ms: None,
         ..p95s
     };
     assert_eq!(requests_to_hold(&fast[..1], &itl, 33), Some(1));
+}
+
+#[test]
+fn the_warm_up_counts_in_throughput_and_not_in_the_verdict() {
+    let p95s = Slo {
+        e2e_p99_ms: None,
+        ..slo()
+    };
+    // Eight slow answers while the workers ramped in, then 41 fast ones.
+    let mut records = vec![
+        RequestRecord {
+            warmup: true,
+            ..rec(0.9, 0.02, 33)
+        };
+        8
+    ];
+    records.extend(vec![rec(0.1, 0.02, 33); 41]);
+    let s = summarise(
+        &run(records.clone(), 10.0),
+        8,
+        &p95s,
+        &LoadConfig::default(),
+    );
+    assert_eq!((s.requests, s.warmup_requests), (49, 8));
+    assert!((s.request_per_s - 4.9).abs() < 1e-9);
+    assert!(s.ttft_ms.max < 200.0, "{:?}", s.ttft_ms);
+    assert_eq!(decision(&s), Decision::Holds);
+    // The same answers counted as the level's: eight of 49 over, a breach.
+    for r in &mut records {
+        r.warmup = false;
+    }
+    let s = summarise(&run(records, 10.0), 8, &p95s, &LoadConfig::default());
+    assert_eq!(decision(&s), Decision::Breached);
 }
