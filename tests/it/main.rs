@@ -12,6 +12,7 @@ mod govern_budgets;
 mod govern_envelope;
 mod govern_picker;
 mod govern_record;
+mod govern_refusals;
 mod govern_tiers;
 mod plan;
 mod report;

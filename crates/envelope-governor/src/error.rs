@@ -243,8 +243,12 @@ impl IntoResponse for GovernError {
     fn into_response(self) -> Response {
         let mut r = (self.status(), axum::Json(self.body())).into_response();
         let h = r.headers_mut();
+        // Every refusal to retry says when twice: Retry-After in whole
+        // seconds and retry-after-ms, which the official OpenAI clients
+        // read first (a budget's exact wait; else the same seconds).
         if let Some(s) = self.retry_after_s() {
             h.insert("retry-after", HeaderValue::from(s));
+            h.insert("retry-after-ms", HeaderValue::from(s * 1000));
         }
         h.insert("x-envelope-reason", HeaderValue::from_static(self.reason()));
         if let GovernError::OverRate {
@@ -355,7 +359,11 @@ mod tests {
         }
         let r = all()[6].clone().into_response();
         assert_eq!(r.headers()["retry-after"], "3");
+        assert_eq!(r.headers()["retry-after-ms"], "3000");
         assert_eq!(r.headers()["x-envelope-reason"], "queue_full");
+        let r = all()[7].clone().into_response();
+        assert_eq!(r.headers()["retry-after"], "5");
+        assert_eq!(r.headers()["retry-after-ms"], "5000");
         let r = all()[0].clone().into_response();
         assert_eq!(r.headers()["x-should-retry"], "false");
         // Over a budget: whole seconds rounded up, the exact ms, and the
