@@ -19,7 +19,6 @@
 
 use super::*;
 use crate::common::{temp_dir, Governor};
-use envelope_profile::Limits;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
@@ -110,6 +109,39 @@ fn goodput(outcomes: &[Outcome]) -> (f64, f64) {
     (good as f64 / elapsed, p95)
 }
 
+/// The profile's safe concurrency for a sequence of `tokens` between its
+/// two buckets, computed here and not by the governor's code (so that a
+/// governor that charges the next bucket up fails the load's lines): a
+/// sequence's share of the node, one over each bucket's concurrency after
+/// the headroom, runs on a straight line in total tokens from 64x32 to
+/// 256x32.
+fn shape_concurrency(profile: &Value, tokens: u64) -> usize {
+    let bucket = |name: &str| {
+        let rows = profile["limits"]["buckets"].as_array().unwrap();
+        let b = rows
+            .iter()
+            .find(|b| format!("{}x{}", b["input_tokens"], b["output_tokens"]) == name)
+            .unwrap_or_else(|| panic!("no {name} in {profile}"));
+        let total = b["input_tokens"].as_u64().unwrap() + b["output_tokens"].as_u64().unwrap();
+        let c = b["concurrency_after_headroom"]
+            .as_f64()
+            .unwrap_or_else(|| b["safe_concurrency"].as_f64().unwrap());
+        (total as f64, 1.0 / c)
+    };
+    let ((t0, s0), (t1, s1)) = (bucket("64x32"), bucket("256x32"));
+    assert!(
+        (t0..=t1).contains(&(tokens as f64)),
+        "{tokens} tokens are not between the buckets"
+    );
+    let share = s0 + (s1 - s0) * (tokens as f64 - t0) / (t1 - t0);
+    // A share a hair over 1/k (the governor rounds it up to whole units)
+    // still admits k - 1; so does this.
+    let cap = profile["limits"]["max_concurrent_seqs"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    ((1.0 / share - 1e-6).floor() as u64).clamp(1, cap) as usize
+}
+
 /// vLLM started, swept with defaults into `dir/out`, and governed with
 /// defaults: the server, the profile, the sweep's stderr and the governor.
 fn swept_and_governed(dir: &Path, blocks: Option<u32>) -> (Foreign, Value, String, Governor) {
@@ -157,6 +189,15 @@ fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
     let (server, profile, _, g) = swept_and_governed(&dir, None);
+    let (table, failed) = direct_and_governed(&server, &profile, &g);
+    assert!(failed.is_empty(), "{failed:#?}\n{table}");
+}
+
+/// Closed loops of distinct chat prompts at 1x, 2x and 4x their shape's
+/// safe concurrency, straight at vLLM and through the governor: the
+/// table, and each rule that did not hold (every line is checked, so one
+/// run shows all of them).
+fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (String, Vec<String>) {
     // The chat prompts as the governor counts them (with the template),
     // and the safe concurrency of their shape: between the two buckets.
     let client = reqwest::blocking::Client::new();
@@ -176,25 +217,25 @@ fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
         })
         .max()
         .unwrap();
-    let limits: Limits = serde_json::from_value(profile["limits"].clone()).unwrap();
-    let safe = envelope_governor::policy::safe_concurrency_for(&limits, counted + 2, OUTPUT)
-        .unwrap() as usize;
+    let safe = shape_concurrency(profile, counted + 2 + OUTPUT);
     let headroom = profile["slo"]["headroom"].as_f64().unwrap();
     eprintln!(
         "chat prompts of {counted} tokens + {OUTPUT} out: safe at {safe} (64x32 at {}, 256x32 at {})",
-        safe_at(&profile, "64x32"),
-        safe_at(&profile, "256x32")
+        safe_at(profile, "64x32"),
+        safe_at(profile, "256x32")
     );
 
     // Direct and governed at 1x, 2x and 4x.
     let ask: Ask = Arc::new(|n| ("/v1/chat/completions", chat(n, true)));
     let mut table = String::new();
+    let mut direct_at_envelope = 0.0;
+    let mut failed: Vec<String> = vec![];
     for times in [1, 2, 4] {
         let clients = safe * times;
         let direct = closed_loop(&server.base, clients, SECS, ask.clone());
         let governed = closed_loop(&g.base, clients, SECS, ask.clone());
         tally(&format!("vLLM direct, {times}x"), &direct, SECS);
-        assert_governed(&format!("vLLM governed, {times}x"), &governed, SECS, &g);
+        assert_governed(&format!("vLLM governed, {times}x"), &governed, SECS, g);
         let ((d, d95), (gv, g95)) = (goodput(&direct), goodput(&governed));
         let line = format!(
             "{times}x ({clients} clients): direct {d:.2}/s (TTFT p95 {d95:.2} s), governed {gv:.2}/s (TTFT p95 {g95:.2} s), {:.2} of direct\n",
@@ -203,15 +244,41 @@ fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
         eprint!("{line}");
         table += &line;
         let slo = TTFT_SLO_MS / 1e3;
+        // Every line is checked, and the test fails at the end naming each
+        // that did not hold (so one run shows all of them).
+        let mut check = |ok: bool, rule: &str| {
+            if !ok {
+                failed.push(format!("{times}x: {rule}"));
+            }
+        };
         if times == 1 {
             // Inside the envelope the governor costs nothing.
-            assert!(gv >= 0.95 * d, "{table}");
-        } else if d95 <= slo {
-            assert!(gv >= (1.0 - headroom - 0.05) * d, "{table}");
-        } else {
-            assert!(g95 <= slo && gv >= d, "{table}");
+            check(gv >= 0.95 * d, "governed >= 0.95 x direct");
+            direct_at_envelope = d;
+            continue;
         }
+        if d95 <= slo {
+            check(
+                gv >= (1.0 - headroom - 0.05) * d,
+                "direct meets the SLO: governed >= (1 - headroom - 0.05) x direct",
+            );
+        } else {
+            check(
+                g95 <= slo,
+                "direct breaks the SLO: governed TTFT p95 inside it",
+            );
+            check(gv >= d, "direct breaks the SLO: governed >= direct");
+        }
+        // Past the envelope the governor holds the server at it: what it
+        // answers well is what the server answers well at 1x, less the
+        // headroom. Charging the chat as the 256x32 bucket would hold it
+        // at a third of the concurrency and fail here.
+        check(
+            gv >= (1.0 - headroom - 0.05) * direct_at_envelope,
+            "governed >= (1 - headroom - 0.05) x direct at 1x",
+        );
     }
+    (table, failed)
 }
 
 #[test]
@@ -337,4 +404,19 @@ fn vllm_small_kv_swept_and_governed_by_defaults() {
     ] {
         assert!(page.contains(series), "{series} not passed on");
     }
+}
+
+/// A measurement, not run in CI (`--ignored`): the 1x/2x/4x table of the
+/// 1 GiB test against vLLM with the small cache, for
+/// docs/measurements/. With 128-token blocks the straight line between
+/// two buckets may charge a shape less than its blocks cost, so this
+/// prints the rules that did not hold rather than failing on them.
+#[test]
+#[ignore = "a measurement: about 10 minutes beside vLLM"]
+fn vllm_small_kv_direct_and_governed_table() {
+    let _serial = one_at_a_time();
+    let dir = temp_dir("envelope-foreign", "vllm-small-kv-table");
+    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let (table, failed) = direct_and_governed(&server, &profile, &g);
+    eprintln!("small KV ({SMALL_KV_BLOCKS} blocks):\n{table}rules not held: {failed:#?}");
 }
