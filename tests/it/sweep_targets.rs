@@ -168,14 +168,14 @@ fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
         "{csv}"
     );
     // The verdicts are decided: the feasible level's ITL p95 held at 90%
-    // on at least 45 token gaps, and the KV cache breached one above, so
+    // on at least 41 token gaps, and the KV cache breached one above, so
     // the maximum is known exactly.
     let f = kv_bound(b);
     let at = b["at_feasible"]["slo_checks"].as_array().unwrap();
     assert_eq!(at.len(), 1, "{at:?}");
     assert_eq!(at[0]["slo"], "itl_p95");
     assert_eq!(at[0]["decision"], "holds");
-    assert!(at[0]["samples"].as_u64().unwrap() >= 45, "{at:?}");
+    assert!(at[0]["samples"].as_u64().unwrap() >= 41, "{at:?}");
     assert_eq!(b["feasible_upper"].as_f64(), Some(f as f64), "{b}");
     let probe_at = |k: u64| {
         probes
@@ -194,7 +194,8 @@ fn repeats_run_the_whole_search_again_and_the_profile_keeps_each() {
 
 /// Exactly every twentieth request waits a second before its first token:
 /// 5% of the requests are over a 500 ms TTFT limit, right at the p95's
-/// edge, which no sample can decide.
+/// edge, which the sequential test holds only after about 130 requests
+/// (and the exceedance bound never did): a budget of 60 cannot decide it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_level_its_requests_cannot_decide_is_never_passed() {
     let base = fake_server::start(fake_server::Misbehaviour::SlowEvery(20)).await;
@@ -209,7 +210,7 @@ vocab_size = 256
 buckets = ["8x4"]
 concurrency_max = 2
 [load]
-max_requests = 100
+max_requests = 60
 max_client_gap_ms = 1000
 [slo]
 ttft_p95_ms = 500
@@ -223,17 +224,18 @@ headroom = 0.0
             .unwrap()
     };
     let b = &profile["configs"][0]["buckets"][0];
-    // Every level was extended to its 100 requests and stayed undecided
-    // (about 5 of 100 over: the share over the limit is somewhere in
-    // [2%, 9%] at 90%), so none passed, though each probe's p95 looks fine.
+    // Every level was extended to its 60 requests and stayed undecided
+    // (3 of 60 over: 3 ln 2 - 57 x 0.054 = -1.0, short of -ln 9 to hold
+    // and far from ln 9 to breach), so none passed, though each probe's
+    // p95 looks fine.
     assert_eq!(b["feasible_concurrency"], 0, "{b}");
     assert_eq!(b["binding_constraint"], "undecided", "{b}");
     assert!(b["feasible_upper"].is_null(), "{b}");
     for p in b["probes"].as_array().unwrap() {
-        assert_eq!(p["requests"], 100, "{p}");
+        assert_eq!(p["requests"], 60, "{p}");
         let c = &p["slo_checks"][0];
         assert_eq!(c["decision"], "undecided", "{p}");
-        assert!(c["over"].as_u64().unwrap() >= 4, "{p}");
+        assert!(c["over"].as_u64().unwrap() >= 2, "{p}");
         assert_eq!(p["breaches"][0], "undecided", "{p}");
     }
     let decided: Vec<_> = probes
@@ -361,9 +363,9 @@ headroom = 0.25
             assert_eq!(n, ((rate * 1.5).round() as u64).max(4));
         } else {
             // The feasible rate, extended until its p99 held at 90%: at
-            // least 230 requests, none over the limit.
+            // least 108 requests, none over the limit.
             assert_eq!(rate, 16.0, "{p}");
-            assert!(n >= 230, "{p}");
+            assert!(n >= 108, "{p}");
             assert_eq!(p["probe"]["decision"], "holds", "{p}");
         }
         assert_eq!(p["probe"]["errors"], 0);
