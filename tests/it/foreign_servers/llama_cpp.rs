@@ -412,7 +412,7 @@ fn llama_server_through_the_launch_template() {
     )
     .unwrap()
     .replace("models/SmolLM2-135M-Instruct.Q4_1.gguf", &smollm2())
-    // As in `config` above: a p99 at 0.9 would decide each level on 230
+    // As in `config` above: a p99 at 0.9 would decide each level on 108
     // requests; the template's launch is under test here.
     .replace("e2e_p99_ms = 30000", "confidence = 0.5");
     let (status, p, err) = sweep_with_path(&dir, &cfg, &path);
