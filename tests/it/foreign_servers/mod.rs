@@ -338,8 +338,26 @@ pub(super) type Ask = std::sync::Arc<dyn Fn(u64) -> (&'static str, Value) + Send
 /// Retry-After (at most 2 s) before its next request. Streams when the
 /// body says `"stream": true`.
 pub(super) fn closed_loop(base: &str, clients: usize, secs: u64, ask: Ask) -> Vec<Outcome> {
+    loop_until(base, clients, ask, Duration::from_secs(secs), usize::MAX)
+}
+
+/// [`closed_loop`] until each client has `answers` 200 answers (refusals
+/// do not count: a client that is turned away asks again after the
+/// wait), or `cap` has passed: a block of load the same size whatever its
+/// speed, whose answers do not end in a partial round.
+pub(super) fn answers_loop(
+    base: &str,
+    clients: usize,
+    answers: usize,
+    cap: Duration,
+    ask: Ask,
+) -> Vec<Outcome> {
+    loop_until(base, clients, ask, cap, answers)
+}
+
+fn loop_until(base: &str, clients: usize, ask: Ask, cap: Duration, answers: usize) -> Vec<Outcome> {
     let started = Instant::now();
-    let stop = started + Duration::from_secs(secs);
+    let stop = started + cap;
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let threads: Vec<_> = (0..clients)
         .map(|_| {
@@ -349,12 +367,14 @@ pub(super) fn closed_loop(base: &str, clients: usize, secs: u64, ask: Ask) -> Ve
                     .timeout(Duration::from_secs(120))
                     .build()
                     .unwrap();
-                let mut out = vec![];
-                while Instant::now() < stop && out.len() < 500 {
+                let mut out: Vec<Outcome> = vec![];
+                let mut answered = 0;
+                while Instant::now() < stop && out.len() < 500 && answered < answers {
                     let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let (path, body) = ask(n);
                     let mut o = one_request(&client, &format!("{base}{path}"), &body);
                     o.end_s = started.elapsed().as_secs_f64();
+                    answered += usize::from(o.status == 200);
                     out.push(o);
                 }
                 out

