@@ -3,8 +3,8 @@
 //! client hashed its pool key (the URL's authority, byte by byte, with
 //! SipHash) twice a request and formatted a Host header each time;
 //! reqwest adds URL parsing (with IDNA), redirect and retry layers on top
-//! of that. Measured with callgrind on one machine, the pooled client was
-//! about 9% of the governor's instructions a request. A governor talks to
+//! of that (measured: docs/measurements/2026-12-06-governor-code-figures.md).
+//! A governor talks to
 //! one upstream or a few, so the pool is a short list searched from its
 //! most recently used end.
 //!

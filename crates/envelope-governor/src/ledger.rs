@@ -105,7 +105,7 @@ pub struct Ledger {
     cap: Demand,
     used: Demand,
     /// By name, hashed with foldhash: looked up on every reserve and
-    /// release (SipHash was 1% of a request's instructions).
+    /// release (SipHash cost more: docs/measurements/2026-12-06-governor-code-figures.md).
     tenants: foldhash::HashMap<String, TenantUse>,
     default_share: Share,
     /// The least capacity units a tenant's burst ceiling allows: one
@@ -214,8 +214,8 @@ impl Ledger {
     }
 
     /// The tenant's share and what it holds: one map lookup, which the
-    /// checks below then reuse (they ran about fifteen a request, a tenth
-    /// of the governor's own instructions).
+    /// checks below then reuse (one lookup a check cost more:
+    /// docs/measurements/2026-12-06-governor-code-figures.md).
     fn tenant(&self, tenant: &str) -> (Share, Demand) {
         match self.tenants.get(tenant) {
             Some(t) => (t.share.unwrap_or(self.default_share), t.used),

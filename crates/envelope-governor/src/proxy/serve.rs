@@ -7,9 +7,8 @@
 //!
 //! The two governed endpoints go straight to their front door; every other
 //! request goes through the router. Routing, its extensions and its
-//! boxed futures were about 5% of the governor's instructions a request
-//! (callgrind, one machine), for a choice a method and a path comparison
-//! make.
+//! boxed futures cost more than the choice a method and a path comparison
+//! make (measured: docs/measurements/2026-12-06-governor-code-figures.md).
 
 use super::{app, AppState};
 use crate::front_door::{governed, FrontDoor};
@@ -64,8 +63,8 @@ pub(crate) async fn serve_router<D: FrontDoor>(
         .timer(ReusingTimer::default())
         .header_read_timeout(header_timeout)
         // An answer's head and body in one buffer, one write: hyper's
-        // queue of slices for a vectored write cost about 400 more
-        // instructions a request here than copying a small body (answers
+        // queue of slices for a vectored write cost more than copying a
+        // small body (docs/measurements/2026-12-06-governor-code-figures.md; answers
         // are small; a stream's chunks are copied as they come). The
         // upstream side keeps vectored writes: flattened there, the pool
         // handed out a connection still stuck sending a large body

@@ -1,15 +1,15 @@
 //! The request fields the governor reads, deserialized by name into a
-//! struct (a parse into a map of values was about 6% of the governor's
-//! instructions a request); every other field is checked as a map would
-//! read it and not kept.
+//! struct (a parse into a map of values cost measurably more:
+//! docs/measurements/2026-12-06-governor-code-figures.md); every other
+//! field is checked as a map would read it and not kept.
 
 use super::{OUTPUT_FIELDS, TOOL_FIELDS};
 use serde_json::Value;
 
 /// The fields the governor reads, deserialized by name; every other
 /// field is checked as a JSON value would be (numbers in range included)
-/// without being kept, and forwarded untouched. A parse into a map of
-/// values was about 6% of the governor's instructions a request. A field
+/// without being kept, and forwarded untouched (a parse into a map of
+/// values cost more; see the module's note). A field
 /// the governor reads, set twice, is refused: a server that reads the
 /// first and a governor that read the last would disagree.
 #[derive(Default)]

@@ -33,9 +33,9 @@ pub struct AppState {
     /// Requests being counted at once.
     pub(super) counting: Arc<tokio::sync::Semaphore>,
     /// The governed endpoints' URIs (by [`Endpoint`] index) and the
-    /// upstream's Host header, made once (a URL formatted and parsed every
-    /// request was 2% of the governor's instructions, the Host header 3%),
-    /// or why the base does not parse, which every send then reports.
+    /// upstream's Host header, made once (not formatted and parsed every
+    /// request: docs/measurements/2026-12-06-governor-code-figures.md), or
+    /// why the base does not parse, which every send then reports.
     pub(super) endpoint_uris: Result<([Uri; 2], HeaderValue), String>,
     /// Timers for the wait on an upstream's head, reused.
     pub(super) head_timers: ReusingTimer,

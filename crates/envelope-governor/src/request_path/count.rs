@@ -54,9 +54,9 @@ pub(crate) async fn count(
 ) -> Result<Counted, GovernError> {
     // Counts that take no waiting skip the timeout and the cap (a timer
     // and a semaphore a request on the default path). The waiting one is
-    // boxed: its future (an upstream call, a timer) was 2.9 KB of the
-    // 3.3 KB of `place`'s, which every request's future carries and
-    // moves whole (rustc -Zprint-type-sizes).
+    // boxed: its future (an upstream call, a timer) was most of
+    // `place`'s, which every request's future carries and moves whole
+    // (docs/measurements/2026-12-06-governor-code-figures.md).
     let (mut counts, source) = match s.counter.count_now(parsed) {
         Some(now) => now,
         None => Box::pin(count_waiting(s, settings, parsed)).await?,

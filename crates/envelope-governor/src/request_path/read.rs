@@ -52,7 +52,7 @@ async fn read_body(mut body: Body, limit: usize, timeout_ms: u64) -> Result<Byte
     use http_body_util::BodyExt;
     // A small body has usually come with the head: one frame at hand, the
     // whole body, taken without a timer, a buffer list or a copy
-    // (collecting it was 2% of a request's instructions).
+    // (docs/measurements/2026-12-06-governor-code-figures.md).
     let mut first = None;
     if let Some(frame) = body.frame().now_or_never() {
         match frame {

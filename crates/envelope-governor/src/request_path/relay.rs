@@ -12,9 +12,9 @@
 //! boxed twice, and its timers are lazy: an answer whose bytes are there
 //! when asked for never arms one, and a chunk moves the silence deadline
 //! without touching the timer wheel (the one timer, armed for the earlier
-//! deadline, may wake early and is then set again). Measured with
-//! callgrind on one machine, the stream adapter with two timers was about
-//! 13% of the governor's instructions a request.
+//! deadline, may wake early and is then set again). The stream adapter
+//! with two timers cost more (measured:
+//! docs/measurements/2026-12-06-governor-code-figures.md).
 
 use super::settle::{Ending, Held, Settlement};
 use super::AppState;

@@ -5,12 +5,11 @@
 //! hyper arms a header-read timer whenever a connection waits for a
 //! request's head and drops it once the head is read: one timer made,
 //! registered in tokio's wheel and taken out of it again a request (with
-//! hyper-util's `TokioTimer`, about 2% of the governor's instructions a
-//! request, callgrind). Here a dropped timer goes back to a spare list
-//! still registered, and the next head's timer is that one moved to a
-//! later deadline, which tokio does without touching the wheel. The wait
-//! for an upstream's head did the same with `tokio::time::timeout` (about
-//! 1k instructions a request). A spare
+//! hyper-util's `TokioTimer`). Here a dropped timer goes back to a spare
+//! list still registered, and the next head's timer is that one moved to
+//! a later deadline, which tokio does without touching the wheel. The
+//! wait for an upstream's head did the same with `tokio::time::timeout`
+//! (both measured: docs/measurements/2026-12-06-governor-code-figures.md). A spare
 //! timer that expires wakes the task that last waited on it, which is a
 //! no-op once that task moved on.
 
