@@ -228,9 +228,30 @@ async fn context_caps_reload_and_drain() {
     }
     assert_eq!(applied, "32");
     // ...and an invalid profile is rejected, the last good one stays.
+    // The rejection is an event the governor counts: wait for it, not
+    // for a while.
     std::fs::write(&profile, "{\"schema\": \"nonsense\"}").unwrap();
     gov.signal("-HUP");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut m = String::new();
+    while Instant::now() < end {
+        m = c
+            .get(gov.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("envelope_governor_profile_reloads_total{outcome=\"rejected\"}") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        m.contains("envelope_governor_profile_reloads_total{outcome=\"rejected\"}"),
+        "{m}"
+    );
     let r = c
         .post(gov.url("/v1/completions"))
         .json(&json!({"prompt": "hi"}))
@@ -238,18 +259,6 @@ async fn context_caps_reload_and_drain() {
         .await
         .unwrap();
     assert_eq!(r.headers()["x-envelope-max-tokens"], "32");
-    let m = c
-        .get(gov.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(
-        m.contains("envelope_governor_profile_reloads_total{outcome=\"rejected\"}"),
-        "{m}"
-    );
     // A change of the file alone (no signal) reloads too.
     std::fs::write(&profile, profile_json(4, 1000, 16).to_string()).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
