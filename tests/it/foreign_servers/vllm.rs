@@ -2,9 +2,8 @@
 //! converted to safetensors by `scripts/foreign-servers.sh`), the server
 //! most users run, started in eager mode (no compilation warm-up: ready in
 //! about 40 s here). Two tests, one server each: a sweep given
-//! `base_url`, `model`, buckets and the TTFT SLO (and, with 1 GiB, a
-//! search capped at 8), and `envelope govern` with no flag but
-//! `--profile`, `--upstream` and `--listen`.
+//! `base_url`, `model`, buckets and the TTFT SLO, and `envelope govern`
+//! with no flag but `--profile`, `--upstream` and `--listen`.
 //!
 //! - With 8 KV blocks of 128 tokens (vLLM states 1,024 tokens and keeps
 //!   one block as its null block, so 7 hold sequences), small enough
@@ -165,11 +164,7 @@ fn shape_concurrency(profile: &Value, tokens: u64) -> usize {
 
 /// vLLM started, swept with defaults into `dir/out`, and governed with
 /// defaults: the server, the profile, the sweep's stderr and the governor.
-fn swept_and_governed(
-    dir: &Path,
-    blocks: Option<u32>,
-    search: &str,
-) -> (Foreign, Value, String, Governor) {
+fn swept_and_governed(dir: &Path, blocks: Option<u32>) -> (Foreign, Value, String, Governor) {
     let t0 = Instant::now();
     let server = vllm(dir, blocks);
     eprintln!("vLLM ready in {:.0} s", t0.elapsed().as_secs_f64());
@@ -184,7 +179,6 @@ model = "smollm2"
 
 [matrix]
 buckets = ["64x32", "256x32"]
-{search}
 
 [slo]
 ttft_p95_ms = {TTFT_SLO_MS}
@@ -210,16 +204,18 @@ ttft_p95_ms = {TTFT_SLO_MS}
     (server, profile, err, g)
 }
 
-/// The sweep here caps its search at 8 sequences (64x32 is safe past 12
-/// with this cache, and deciding it there cost 2-3 of this test's
-/// minutes); the governor runs with defaults. At 1x the blocks decide
-/// the 0.95 line (four runs of 30 s loops read it from 0.87 to 1.03:
-/// docs/measurements/2026-12-06-vllm-chain.md).
+/// The sweep and the governor with defaults. At 1x the blocks decide the
+/// 0.95 line (four runs of 30 s loops read it from 0.87 to 1.03:
+/// docs/measurements/2026-12-06-vllm-chain.md). The sweep's search is
+/// not capped: a cap under 64x32's true limit (tried at 8) makes the
+/// profile hold the chat below what vLLM serves inside the SLO, and the
+/// 2x line "direct meets the SLO: governed >= 0.85 x direct" then judges
+/// the cap, not the governor (0.85 in one run).
 #[test]
 fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
-    let (server, profile, _, g) = swept_and_governed(&dir, None, "concurrency_max = 8");
+    let (server, profile, _, g) = swept_and_governed(&dir, None);
     let (table, failed) = direct_and_governed(&server, &profile, &g);
     assert!(failed.is_empty(), "{failed:#?}\n{table}");
 }
@@ -434,7 +430,7 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
 fn vllm_small_kv_swept_and_governed_by_defaults() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv");
-    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), "");
+    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
     let config = &profile["configs"][0];
     // What vLLM says of its cache, in the profile and the report.
     let memory = &config["memory"];
@@ -565,7 +561,7 @@ fn vllm_small_kv_swept_and_governed_by_defaults() {
 fn vllm_small_kv_direct_and_governed_table() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv-table");
-    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), "");
+    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
     let (table, failed) = direct_and_governed(&server, &profile, &g);
     eprintln!("small KV ({SMALL_KV_BLOCKS} blocks):\n{table}rules not held: {failed:#?}");
 }
