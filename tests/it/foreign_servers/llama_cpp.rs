@@ -421,7 +421,26 @@ fn llama_server_through_the_launch_template() {
     assert!(c["error"].is_null(), "{c}");
     assert!(c["time_to_ready_s"].as_f64().unwrap() > 0.0);
     assert_eq!(c["server_checks"]["token_prompts"], true);
-    // Four slots of 1,024 tokens: both buckets run more than one at a time.
+    // Four slots of 1,024 tokens: the short bucket is safe at more than one
+    // at a time (its level 4 reads a TTFT p95 near a third of the SLO on
+    // CI's machine). The long one's level 2 sits within 1.5x of the SLO
+    // there and is decided at 1 or 2 by that machine's speed, so what is
+    // asserted of it is the template's: every level it ran, two or more at
+    // a time included, was answered without an error.
     assert!(safe_at(&p, "64x32") >= 2, "{}", probes_of(&p));
-    assert!(safe_at(&p, "256x32") >= 2, "{}", probes_of(&p));
+    let long = bucket_of(&p, "256x32");
+    assert!(
+        long["feasible_concurrency"].as_u64().unwrap() >= 1,
+        "{}",
+        probes_of(&p)
+    );
+    let probes = long["probes"].as_array().unwrap();
+    assert!(
+        probes
+            .iter()
+            .any(|q| q["concurrency"].as_u64().unwrap() >= 2)
+            && probes.iter().all(|q| q["errors"] == 0),
+        "{}",
+        probes_of(&p)
+    );
 }

@@ -504,6 +504,17 @@ pub(super) fn safe_at(profile: &Value, bucket: &str) -> u64 {
         .unwrap()
 }
 
+/// One bucket's search, probes included, in the profile's first
+/// configuration.
+pub(super) fn bucket_of<'a>(profile: &'a Value, bucket: &str) -> &'a Value {
+    profile["configs"][0]["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| format!("{}x{}", b["input_tokens"], b["output_tokens"]) == bucket)
+        .unwrap_or_else(|| panic!("no {bucket} in {}", probes_of(profile)))
+}
+
 /// Each bucket's search in a line per probe (a whole profile is longer
 /// than what CI keeps of a failure).
 pub(super) fn probes_of(profile: &Value) -> String {
