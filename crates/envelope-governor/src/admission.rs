@@ -15,6 +15,7 @@ use crate::policy::{effective_limits, BucketCharge};
 use crate::queue::{AdmissionQueue, Class};
 use crate::settings::OverBudget;
 use crate::settings::Settings;
+use decide::{decide, ttft_budget_ms, Decision, QueueBound, Shed, Snapshot, Terms};
 use envelope_profile::Limits;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -137,15 +138,6 @@ pub struct Ask {
     /// The request's own TTFT objective (an endpoint picker's header), ms:
     /// its budget where tighter than its class's.
     pub ttft_objective_ms: Option<f64>,
-}
-
-/// A request's TTFT budget: its class's, or its own objective where that is
-/// tighter (a client asking for more time than its class gets none).
-fn ttft_budget_ms(class_budget: Option<f64>, objective: Option<f64>) -> Option<f64> {
-    match (class_budget, objective) {
-        (Some(c), Some(o)) => Some(c.min(o)),
-        (c, o) => c.or(o),
-    }
 }
 
 /// A reservation in flight. Dropping it releases it.
@@ -570,19 +562,16 @@ impl Governor {
     }
 
     /// 429 while the live guard refuses new work (REJECT_NEW).
-    fn reject_new(g: &mut Inner, now_ms: u64, demand: Demand) -> Option<GovernError> {
-        if g.ladder.level() != Level::RejectNew {
-            return None;
-        }
+    fn reject_new_error(g: &mut Inner, now_ms: u64, demand: Demand) -> GovernError {
         let ra = Self::retry_after(g, now_ms, Class::Batch, demand).max(2);
-        Some(Self::overloaded(
+        Self::overloaded(
             OverloadReason::GuardRejectNew,
             ra,
             format!(
                 "the upstream is under pressure ({}); retry later",
                 g.ladder.cause
             ),
-        ))
+        )
     }
 
     /// The checks that cost nothing, made before a request's body is
@@ -602,8 +591,8 @@ impl Governor {
             kv_tokens: 1,
             capacity: 1,
         };
-        if let Some(e) = Self::reject_new(&mut g, now_ms, one) {
-            return Err(e);
+        if g.ladder.level() == Level::RejectNew {
+            return Err(Self::reject_new_error(&mut g, now_ms, one));
         }
         if !g.queue.is_empty() && g.queue.len() >= s.max_queue_len {
             let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one);
@@ -620,21 +609,76 @@ impl Governor {
     }
 
     /// 400 for a request that could not run even on an idle server.
-    fn never_fits(g: &Inner, ask: &Ask) -> Option<GovernError> {
-        if g.ledger.fits_ever(&ask.tenant, ask.demand) {
-            return None;
-        }
+    fn never_fits_error(g: &Inner, ask: &Ask) -> GovernError {
         let cap = g.ledger.full_capacity();
-        Some(GovernError::NeverFits {
+        GovernError::NeverFits {
             param: if ask.demand.seqs > cap.seqs { "n" } else { "max_tokens" },
             message: format!(
                 "this request needs {} sequences and {} KV tokens; the most this server admits for tenant `{}` is {} sequences and {} KV tokens, so it can never run: lower max_tokens, n or the prompt",
                 ask.demand.seqs, ask.demand.kv_tokens, ask.tenant, cap.seqs, cap.kv_tokens
             ),
-        })
+        }
     }
 
-    /// Admits now, queues until it fits, or refuses.
+    /// What admission knows of `ask` now, for [`decide`]: the wait is
+    /// estimated only for a request that cannot start at once.
+    fn snapshot(&self, g: &mut Inner, now_ms: u64, ask: &Ask) -> Snapshot {
+        let fit = g.ledger.check(&ask.tenant, ask.demand);
+        let queued = !g.queue.is_empty();
+        let starts_now = fit.is_ok() && !queued;
+        Snapshot {
+            draining: self.draining.load(Ordering::Acquire),
+            reject_new: g.ladder.level() == Level::RejectNew,
+            fit,
+            queued,
+            wait_ms: if starts_now {
+                None
+            } else {
+                Self::wait_estimate_ms(g, now_ms, ask.class, ask.demand)
+            },
+            service_ms: g.drain.service_ms(),
+            recent_ttft_p95_ms: if starts_now {
+                None
+            } else {
+                g.latency.recent_ttft_p95_ms(now_ms)
+            },
+        }
+    }
+
+    /// The error a refusal at arrival answers with.
+    fn shed_error(g: &mut Inner, now_ms: u64, ask: &Ask, shed: Shed) -> GovernError {
+        match shed {
+            Shed::Draining => GovernError::Draining,
+            Shed::RejectNew => Self::reject_new_error(g, now_ms, ask.demand),
+            Shed::NeverFits => Self::never_fits_error(g, ask),
+            Shed::Tightened => Self::tightened_error(g, now_ms, ask.class, ask.demand),
+            Shed::DeadlineUnmeetable {
+                wait_ms,
+                service_ms,
+                left_ms,
+            } => Self::overloaded(
+                OverloadReason::DeadlineUnmeetable,
+                retry_after_from_ms(wait_ms),
+                format!(
+                    "estimated wait {wait_ms:.0} ms + service {service_ms:.0} ms exceeds the deadline of {left_ms:.0} ms"
+                ),
+            ),
+            Shed::TtftBudget {
+                wait_ms,
+                ttft_ms,
+                budget_ms,
+            } => Self::overloaded(
+                OverloadReason::TtftBudget,
+                retry_after_from_ms(wait_ms),
+                format!(
+                    "estimated queue wait {wait_ms:.0} ms + the bucket's TTFT {ttft_ms:.0} ms exceeds the TTFT budget of {budget_ms:.0} ms"
+                ),
+            ),
+        }
+    }
+
+    /// Admits now, queues until it fits, or refuses: [`decide`] on a
+    /// snapshot taken under the lock, then acted on.
     ///
     /// # Errors
     /// 503 while draining; 400 if it can never fit; 429 with a Retry-After
@@ -647,68 +691,38 @@ impl Governor {
         let s = self.settings();
         let now = Instant::now();
         let now_ms = self.now_ms();
-        let (id, rx, wait_until, budget_bound, wakes) = {
+        let terms = Terms {
+            left_ms: ask.deadline.saturating_duration_since(now).as_millis() as f64,
+            max_queue_age_ms: s.max_queue_age_ms as f64,
+            ttft_budget_ms: match s.over_budget {
+                OverBudget::Shed => {
+                    ttft_budget_ms(s.ttft_budget_ms(ask.class), ask.ttft_objective_ms)
+                }
+                OverBudget::Queue => None,
+            },
+            expected_ttft_ms: ask.expected_ttft_ms,
+        };
+        let (id, rx, wait_until, bound, wakes) = {
             let mut g = self.lock();
-            if let Some(e) = Self::reject_new(&mut g, now_ms, ask.demand) {
-                return Err(e);
-            }
-            if let Some(e) = Self::never_fits(&g, &ask) {
-                return Err(e);
-            }
-            if !g.ledger.fits_now_idle(&ask.tenant, ask.demand) {
-                return Err(Self::tightened_error(&mut g, now_ms, ask.class, ask.demand));
-            }
-            if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
-                let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
-                self.publish(&g);
-                return Ok(p);
-            }
-            let wait_ms = Self::wait_estimate_ms(&mut g, now_ms, ask.class, ask.demand);
-            let service_ms = g.drain.service_ms().unwrap_or(0.0);
-            let left_ms = ask.deadline.saturating_duration_since(now).as_millis() as f64;
-            if let Some(w) = wait_ms {
-                if w + service_ms > left_ms {
-                    return Err(Self::overloaded(
-                        OverloadReason::DeadlineUnmeetable,
-                        retry_after_from_ms(w),
-                        format!(
-                            "estimated wait {:.0} ms + service {:.0} ms exceeds the deadline of {:.0} ms",
-                            w, service_ms, left_ms
-                        ),
-                    ));
+            let snapshot = self.snapshot(&mut g, now_ms, &ask);
+            let (max_wait_ms, bound) = match decide(&snapshot, &terms) {
+                Decision::AdmitNow => {
+                    let reserved = g.ledger.reserve(&ask.tenant, ask.demand);
+                    debug_assert!(reserved.is_ok(), "checked under the same lock");
+                    let p =
+                        self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
+                    self.publish(&g);
+                    return Ok(p);
                 }
-            }
-            let mut wait_until = ask
-                .deadline
-                .min(now + Duration::from_millis(s.max_queue_age_ms));
-            // Queue wait counts against the TTFT budget: shed what the
-            // measured drain says cannot start in time, and give up on a
-            // queued request once its budget is spent.
-            let mut budget_bound = false;
-            let budget = ttft_budget_ms(s.ttft_budget_ms(ask.class), ask.ttft_objective_ms);
-            if let (Some(budget), OverBudget::Shed) = (budget, s.over_budget) {
-                // The bucket's TTFT as measured, or as the proxied streams
-                // show it now when that is worse: the profile's latency is
-                // not trusted past what the node does today.
-                let observed = g.latency.recent_ttft_p95_ms(now_ms).unwrap_or(0.0);
-                let ttft = ask.expected_ttft_ms.unwrap_or(0.0).max(observed);
-                if let Some(w) = wait_ms {
-                    if w + ttft > budget {
-                        return Err(Self::overloaded(
-                            OverloadReason::TtftBudget,
-                            retry_after_from_ms(w),
-                            format!(
-                                "estimated queue wait {w:.0} ms + the bucket's TTFT {ttft:.0} ms exceeds the TTFT budget of {budget:.0} ms"
-                            ),
-                        ));
-                    }
+                Decision::Shed(shed) => return Err(Self::shed_error(&mut g, now_ms, &ask, shed)),
+                Decision::Queue { max_wait_ms, bound } => (max_wait_ms, bound),
+            };
+            let wait_until = match bound {
+                QueueBound::Deadline => ask.deadline,
+                QueueBound::QueueAge | QueueBound::TtftBudget => {
+                    now + Duration::from_millis(max_wait_ms as u64)
                 }
-                let by_budget = now + Duration::from_millis((budget - ttft).max(0.0) as u64);
-                if by_budget < wait_until {
-                    wait_until = by_budget;
-                    budget_bound = true;
-                }
-            }
+            };
             let (tx, rx) = oneshot::channel();
             match g.queue.push(
                 &ask.tenant,
@@ -723,7 +737,7 @@ impl Governor {
                     // ceiling; this one may fit now.
                     let w = self.pump(&mut g);
                     self.publish(&g);
-                    (id, rx, wait_until, budget_bound, w)
+                    (id, rx, wait_until, bound, w)
                 }
                 Err((why, _)) => {
                     let ra = Self::retry_after(&mut g, now_ms, ask.class, ask.demand);
@@ -737,10 +751,11 @@ impl Governor {
         };
         Self::wake(wakes);
         // Boxed: see `queued`.
-        Box::pin(self.wait_queued(id, rx, wait_until, budget_bound, &ask, now)).await
+        Box::pin(self.wait_queued(id, rx, wait_until, bound, &ask, now)).await
     }
 }
 
+mod decide;
 mod lifecycle;
 mod now;
 mod pod_load;

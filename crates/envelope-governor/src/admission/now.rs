@@ -2,9 +2,9 @@
 //! upstreams (model tiers): admit now or say it does not fit, and how full
 //! an upstream is.
 
+use super::decide::{decide, Decision, Shed, Terms};
 use super::{Ask, Governor, Permit};
 use crate::error::GovernError;
-use crate::ladder::Level;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,19 +21,28 @@ impl Governor {
         if self.draining.load(Ordering::Acquire) {
             return Err(GovernError::Draining);
         }
+        let now_ms = self.now_ms();
         let mut g = self.lock();
-        if g.ladder.level() == Level::RejectNew {
-            return Ok(None);
+        let snapshot = self.snapshot(&mut g, now_ms, &ask);
+        // Only what no other upstream could change is refused here.
+        let no_wait = Terms {
+            left_ms: 0.0,
+            max_queue_age_ms: 0.0,
+            ttft_budget_ms: None,
+            expected_ttft_ms: None,
+        };
+        match decide(&snapshot, &no_wait) {
+            Decision::AdmitNow => {
+                let reserved = g.ledger.reserve(&ask.tenant, ask.demand);
+                debug_assert!(reserved.is_ok(), "checked under the same lock");
+                let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
+                self.publish(&g);
+                Ok(Some(p))
+            }
+            Decision::Shed(Shed::Draining) => Err(GovernError::Draining),
+            Decision::Shed(Shed::NeverFits) => Err(Self::never_fits_error(&g, &ask)),
+            Decision::Shed(_) | Decision::Queue { .. } => Ok(None),
         }
-        if let Some(e) = Self::never_fits(&g, &ask) {
-            return Err(e);
-        }
-        if g.queue.is_empty() && g.ledger.reserve(&ask.tenant, ask.demand).is_ok() {
-            let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
-            self.publish(&g);
-            return Ok(Some(p));
-        }
-        Ok(None)
     }
 
     /// The share of this upstream's envelope reserved now (0..1, the most

@@ -2,6 +2,7 @@
 //! so that only a request that waits carries its future (a timer, a
 //! channel): one admitted at once does not.
 
+use super::decide::QueueBound;
 use super::{Ask, Governor, OverloadReason, Permit};
 use crate::error::GovernError;
 use std::sync::Arc;
@@ -32,7 +33,7 @@ impl Governor {
         id: u64,
         rx: oneshot::Receiver<Result<Permit, GovernError>>,
         wait_until: Instant,
-        budget_bound: bool,
+        bound: QueueBound,
         ask: &Ask,
         now: Instant,
     ) -> Result<Permit, GovernError> {
@@ -57,7 +58,7 @@ impl Governor {
                 if removed {
                     let mut g = self.lock();
                     let ra = Self::retry_after(&mut g, self.now_ms(), ask.class, ask.demand);
-                    let (reason, why) = if budget_bound {
+                    let (reason, why) = if bound == QueueBound::TtftBudget {
                         (OverloadReason::TtftBudget, "its TTFT budget is spent")
                     } else {
                         (OverloadReason::QueueTimeout, "without fitting")
