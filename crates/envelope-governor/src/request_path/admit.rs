@@ -4,7 +4,7 @@
 use super::{plan_request, reserve, AppState, Counted, Held, Incoming, PlanInputs, Planned};
 use crate::admission::{Ask, Permit};
 use crate::error::GovernError;
-use crate::identity::{self, Identity};
+use crate::identity::Identity;
 use crate::policy;
 use crate::settings::Settings;
 use crate::tokens::CountSource;
@@ -63,10 +63,7 @@ pub(crate) async fn place(
         .token_counts
         .inc(source as usize, source.label());
     let budgets = settings.budgets.as_ref();
-    let feature = match budgets {
-        Some(_) => identity::named(&inc.parts.headers, identity::FEATURE_HEADER)?,
-        None => None,
-    };
+    let feature = inc.feature.as_deref();
     let seqs = policy::sequences(counted.counts.len(), parsed.n);
     let current = s.gov.limits();
     let planned = plan_request(&PlanInputs {
@@ -79,8 +76,7 @@ pub(crate) async fn place(
         source,
         max_tokens: parsed.max_tokens,
         n: parsed.n,
-        output_per_seq: budgets
-            .and_then(|b| b.output_per_seq(&who.tenant, feature.as_deref(), seqs)),
+        output_per_seq: budgets.and_then(|b| b.output_per_seq(&who.tenant, feature, seqs)),
         count_timeout_ms: settings.count_timeout_ms,
     })?;
     let plan = match (planned, wait) {
@@ -98,7 +94,7 @@ pub(crate) async fn place(
         .reduce(f64::max);
     let budget = match budgets {
         None => None,
-        Some(b) => reserve(s, b, &who.tenant, feature.as_deref(), &plan).await?,
+        Some(b) => reserve(s, b, &who.tenant, feature, &plan).await?,
     };
     let ask = Ask {
         tenant: who.tenant.clone(),

@@ -2,6 +2,7 @@
 //! and time, parsed, with its deadline and the end of its lifetime.
 
 use crate::error::GovernError;
+use crate::identity;
 use crate::queue::Class;
 use crate::request::{self, Endpoint, ParsedRequest};
 use crate::settings::Settings;
@@ -118,6 +119,12 @@ pub(crate) struct Incoming {
     pub end: Instant,
     /// Its TTFT objective from an endpoint picker ([`SLO_TTFT_HEADERS`]).
     pub slo_ttft_ms: Option<f64>,
+    /// The feature it serves ([`identity::FEATURE_HEADER`]), for budgets,
+    /// cost attribution and the record.
+    pub feature: Option<String>,
+    /// Its conversation ([`identity::CONVERSATION_HEADER`]), for the
+    /// record and the router's escalation memory.
+    pub conversation: Option<String>,
 }
 
 impl Incoming {
@@ -136,6 +143,8 @@ impl Incoming {
             deadline: self.deadline,
             end: self.end,
             slo_ttft_ms: self.slo_ttft_ms,
+            feature: self.feature.clone(),
+            conversation: self.conversation.clone(),
         }
     }
 }
@@ -190,6 +199,10 @@ pub(crate) async fn read_request(
             })?,
     };
     let slo_ttft_ms = slo_ttft_ms(&parts.headers)?;
+    // Every header the path acts on is read here, once, and a malformed one
+    // is a 400 whatever later uses it.
+    let feature = identity::named(&parts.headers, identity::FEATURE_HEADER)?;
+    let conversation = identity::named(&parts.headers, identity::CONVERSATION_HEADER)?;
     // The whole request, queue and answer, ends by its lifetime.
     let end = arrived + Duration::from_millis(settings.max_request_ms);
     Ok(Incoming {
@@ -199,12 +212,62 @@ pub(crate) async fn read_request(
         deadline: (arrived + Duration::from_millis(deadline_ms)).min(end),
         end,
         slo_ttft_ms,
+        feature,
+        conversation,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A completion request with `headers`, read at `Settings`' defaults.
+    async fn read_with(headers: &[(&str, &str)]) -> Result<Incoming, GovernError> {
+        let limits = envelope_profile::Limits {
+            max_context_tokens: 2048,
+            max_output_tokens: 256,
+            max_concurrent_seqs: 8,
+            max_kv_tokens_in_flight: 8192,
+            buckets: vec![],
+        };
+        let settings = Settings::new(limits, "p");
+        let mut req = axum::http::Request::post("/v1/completions");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Body::from(r#"{"model":"m","prompt":"hi"}"#))
+            .unwrap();
+        read_request(
+            &settings,
+            Endpoint::Completions,
+            req,
+            Instant::now(),
+            Class::Interactive,
+        )
+        .await
+    }
+
+    #[tokio::test]
+    async fn the_feature_and_conversation_are_read_once_with_the_request() {
+        let inc = read_with(&[
+            (identity::FEATURE_HEADER, "search"),
+            (identity::CONVERSATION_HEADER, "c-1"),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(inc.feature.as_deref(), Some("search"));
+        assert_eq!(inc.conversation.as_deref(), Some("c-1"));
+        let inc = read_with(&[]).await.unwrap();
+        assert_eq!((inc.feature, inc.conversation), (None, None));
+        // A malformed one is a 400 here, whatever later stage would use it
+        // (budgets, the router, the record).
+        for header in [identity::FEATURE_HEADER, identity::CONVERSATION_HEADER] {
+            let e = read_with(&[(header, "has spaces")]).await.err().unwrap();
+            assert_eq!(e.status().as_u16(), 400, "{header}");
+            assert!(e.to_string().contains(header), "{e}");
+        }
+    }
 
     #[tokio::test]
     async fn a_body_is_read_whole_in_one_frame_or_several() {

@@ -3,25 +3,22 @@
 //! ([`crate::recorder`] writes them).
 
 use super::{Incoming, StreamEnd};
-use crate::identity::{self, Identity};
+use crate::identity::Identity;
 use crate::recorder::{Draft, Finished};
 
 /// The draft of `inc`, counted at `input_tokens`, from `who`: its session
-/// and feature from their headers (a malformed one is left out; the
-/// request path judges headers, not the recorder).
+/// and feature as read with the request.
 pub(crate) fn draft(inc: &Incoming, input_tokens: u64, who: &Identity) -> Draft {
-    let h = &inc.parts.headers;
-    let header = |name| identity::named(h, name).ok().flatten();
     Draft {
         arrived: inc.arrived,
         arrived_unix_s: Draft::unix_s_of(inc.arrived),
         endpoint: inc.parsed.endpoint,
         body: inc.parsed.raw().clone(),
         input_tokens,
-        session: header(identity::CONVERSATION_HEADER),
+        session: inc.conversation.clone(),
         class: who.class.label(),
         tenant: who.tenant.clone(),
-        feature: header(identity::FEATURE_HEADER),
+        feature: inc.feature.clone(),
     }
 }
 

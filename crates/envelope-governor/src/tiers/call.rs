@@ -27,7 +27,7 @@ use axum::response::Response;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use crate::identity::{named, CONVERSATION_HEADER, FEATURE_HEADER};
+pub use crate::identity::named;
 pub const HINT_HEADER: &str = "x-envelope-tier-hint";
 pub const NO_TRUNCATION_HEADER: &str = "x-envelope-no-truncation";
 
@@ -339,10 +339,13 @@ async fn serve_call(
     let settings = base.gov.settings();
     let inc = path::read_request(&settings, endpoint, req, arrived, who.class).await?;
     let h = &inc.parts.headers;
-    let feature = named(h, FEATURE_HEADER)?;
+    let feature = inc.feature.clone();
     let hint = named(h, HINT_HEADER)?;
     // One tenant's conversation never moves another's routing.
-    let conversation = named(h, CONVERSATION_HEADER)?.map(|c| format!("{}\u{0}{c}", who.tenant));
+    let conversation = inc
+        .conversation
+        .as_ref()
+        .map(|c| format!("{}\u{0}{c}", who.tenant));
     let mut signals = body_signals(inc.parsed.body());
     // Counted once, for routing and for every tier that counts the same
     // way. When the first tier cannot count, the bound estimate routes
