@@ -6,7 +6,7 @@
 use crate::error::StartError;
 use crate::{live_guard, Beyond, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile};
 use clap::Args;
-use envelope_profile::Profile;
+use envelope_profile::{Limits, Profile};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -17,6 +17,40 @@ pub(crate) fn read(what: &'static str, path: &Path) -> Result<String, StartError
         path: path.to_path_buf(),
         cause,
     })
+}
+
+/// A profile as govern reads it, once per start or reload: parsed, its
+/// limits checked enforceable, and the name it is shown by in messages.
+pub struct ProfileFile {
+    pub profile: Profile,
+    /// Its enforceable limits (checked at reading).
+    pub limits: Limits,
+    pub shown: String,
+    /// The file's text (what a reload compares).
+    pub text: String,
+}
+
+impl ProfileFile {
+    /// Reads and checks the profile at `path` (`what` names the flag or
+    /// field in errors).
+    ///
+    /// # Errors
+    /// It cannot be read, is not a profile, or holds no enforceable limits.
+    pub fn read(what: &'static str, path: &Path) -> Result<ProfileFile, StartError> {
+        let shown = path.display().to_string();
+        let text = read(what, path)?;
+        let profile = Profile::from_json(&text, &shown)?;
+        let limits = profile
+            .enforceable_limits()
+            .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?
+            .clone();
+        Ok(ProfileFile {
+            profile,
+            limits,
+            shown,
+            text,
+        })
+    }
 }
 
 /// How prompt tokens are counted without `--tokenizer`.
@@ -349,23 +383,23 @@ impl GovernArgs {
         Ok(b.enable_all().build()?)
     }
 
-    /// Profile (read and validated) plus overrides -> settings.
+    /// The profile plus overrides -> settings.
     ///
     /// # Errors
-    /// The profile or the tenants file cannot be read or is invalid, or
-    /// the overrides make invalid settings.
+    /// The tenants or budgets file cannot be read or is invalid, or the
+    /// overrides make invalid settings.
     pub fn settings(
         &self,
-        profile_path: &Path,
+        profile_file: &ProfileFile,
         conservative: bool,
     ) -> Result<Settings, StartError> {
-        let shown = profile_path.display().to_string();
-        let text = read("--profile", profile_path)?;
-        let profile = Profile::from_json(&text, &shown)?;
-        let mut limits = profile
-            .enforceable_limits()
-            .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?
-            .clone();
+        let ProfileFile {
+            profile,
+            shown,
+            limits,
+            ..
+        } = profile_file;
+        let mut limits = limits.clone();
         if conservative {
             limits = live_guard::conservative(&limits);
         }
@@ -381,7 +415,7 @@ impl GovernArgs {
         if let Some(v) = self.max_kv_tokens_in_flight {
             limits.max_kv_tokens_in_flight = v;
         }
-        let mut s = Settings::from_profile(&profile, limits);
+        let mut s = Settings::from_profile(profile, limits);
         s.over_limit = self.over_limit.unwrap_or(OverLimit::Clamp);
         s.beyond = self.beyond_envelope.unwrap_or(Beyond::Refuse);
         if self.interactive_ttft_budget_ms.is_some() {
@@ -431,7 +465,7 @@ impl GovernArgs {
         s.admin_token = self.admin_token.clone();
         if let Some(p) = &self.budgets {
             let t = read("--budgets", p)?;
-            let b = crate::budget::Budgets::from_toml(&t, &p.display().to_string(), &profile)
+            let b = crate::budget::Budgets::from_toml(&t, &p.display().to_string(), profile)
                 .map_err(StartError::Invalid)?;
             s.budgets = Some(std::sync::Arc::new(b));
         }

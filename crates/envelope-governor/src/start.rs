@@ -3,10 +3,9 @@
 //! background tasks (latency tick, live guard, hot reload on SIGHUP or a
 //! file change) and the drain on SIGTERM.
 
-use crate::config::GovernArgs;
+use crate::config::{GovernArgs, ProfileFile};
 use crate::error::StartError;
 use crate::{live_guard, AppState, Governor};
-use envelope_profile::Profile;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,22 +41,18 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
 
     // Profile checks: the node and the upstream's model against the fingerprint.
-    let shown = profile_path.display().to_string();
-    let text = crate::config::read("--profile", &profile_path)?;
-    let profile = Profile::from_json(&text, &shown)?;
-    profile
-        .enforceable_limits()
-        .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?;
+    let profile_file = ProfileFile::read("--profile", &profile_path)?;
+    let (profile, shown) = (&profile_file.profile, &profile_file.shown);
     let conservative =
-        crate::upstream::check_profile(&args, &client, &upstream, &profile, &shown).await?;
-    let settings = args.settings(&profile_path, conservative)?;
+        crate::upstream::check_profile(&args, &client, &upstream, profile, shown).await?;
+    let settings = args.settings(&profile_file, conservative)?;
     let counter = crate::upstream::pick_counter(
         &args,
         args.tokenizer.as_deref(),
         &client,
         &upstream,
         Duration::from_millis(settings.connect_timeout_ms),
-        &profile,
+        profile,
     )
     .await?;
     let l = &settings.limits;
@@ -131,8 +126,8 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         let args = args.clone();
         let path = profile_path.clone();
         Arc::new(move || {
-            let r = args
-                .settings(&path, conservative)
+            let r = ProfileFile::read("--profile", &path)
+                .and_then(|p| args.settings(&p, conservative))
                 .map_err(|e| e.to_string())
                 .and_then(|s| {
                     let id = s.profile_id.clone();

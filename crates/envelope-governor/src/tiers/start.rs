@@ -10,14 +10,13 @@ use super::config::{PriceSpec, TiersFile, UpstreamSpec};
 use super::cost::Price;
 use super::metrics::{labels, merge};
 use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
-use crate::config::GovernArgs;
+use crate::config::{GovernArgs, ProfileFile};
 use crate::error::{GovernError, StartError};
 use crate::{AppState, Governor};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use envelope_profile::Profile;
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -60,13 +59,12 @@ fn read_file(path: &Path) -> Result<(TiersFile, String), StartError> {
 
 /// The upstream's profile, and the text its settings come from (the
 /// profile and the tenants file): unchanged text, unchanged settings.
-fn read_profile(args: &GovernArgs, spec: &UpstreamSpec) -> Result<(Profile, String), StartError> {
-    let shown = spec.profile.display().to_string();
-    let mut text = crate::config::read("profile", &spec.profile)?;
-    let profile = Profile::from_json(&text, &shown)?;
-    profile
-        .enforceable_limits()
-        .map_err(|e| StartError::Invalid(format!("{shown}: {e}")))?;
+fn read_profile(
+    args: &GovernArgs,
+    spec: &UpstreamSpec,
+) -> Result<(ProfileFile, String), StartError> {
+    let profile = ProfileFile::read("profile", &spec.profile)?;
+    let mut text = profile.text.clone();
     if let Some(t) = &args.tenants {
         text.push_str(&crate::config::read("--tenants", t)?);
     }
@@ -84,7 +82,7 @@ async fn upstream(
 ) -> Result<(Arc<Upstream>, Option<crate::Settings>), StartError> {
     let named = |e: StartError| StartError::Invalid(format!("{field}: {e}"));
     let (profile, source) = read_profile(args, spec).map_err(named)?;
-    let price = Price::new(price, &profile)
+    let price = Price::new(price, &profile.profile)
         .map_err(|e| StartError::Invalid(format!("{field} price: {e}")))?;
     if let Some(u) = reuse {
         // Settings are rebuilt (and the guards' state reset) only when
@@ -92,10 +90,7 @@ async fn upstream(
         let settings = if u.source == source {
             None
         } else {
-            Some(
-                args.settings(&spec.profile, u.conservative)
-                    .map_err(named)?,
-            )
+            Some(args.settings(&profile, u.conservative).map_err(named)?)
         };
         let up = Upstream {
             spec: spec.clone(),
@@ -109,17 +104,17 @@ async fn upstream(
     }
     let url = spec.url.trim_end_matches('/').to_string();
     let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
-    let shown = spec.profile.display().to_string();
     let conservative =
-        crate::upstream::check_profile(args, &client, &url, &profile, &shown).await?;
-    let settings = args.settings(&spec.profile, conservative).map_err(named)?;
+        crate::upstream::check_profile(args, &client, &url, &profile.profile, &profile.shown)
+            .await?;
+    let settings = args.settings(&profile, conservative).map_err(named)?;
     let counter = crate::upstream::pick_counter(
         args,
         spec.tokenizer.as_deref(),
         &client,
         &url,
         std::time::Duration::from_millis(settings.connect_timeout_ms),
-        &profile,
+        &profile.profile,
     )
     .await?;
     tracing::info!(upstream = %url, profile = %settings.profile_id, counter = ?counter, "{field}");
