@@ -86,18 +86,7 @@ pub fn run(args: &SweepArgs) -> Result<()> {
             .join(","),
     };
     let start = std::time::Instant::now();
-    // Probes expected: exponential phase plus bisection, and the two ends
-    // decided, per point, bucket and repeat.
-    let top = if cfg.load.is_open_loop() {
-        (cfg.load.rate_max_per_s / cfg.load.rate_step_per_s).max(1.0)
-    } else {
-        cfg.concurrency_max.min(cfg.max_num_seqs) as f64
-    };
-    let levels = top.log2().ceil() as u64;
-    let expected = (cfg.points.len() * cfg.buckets.len()) as u64
-        * (2 * levels + 3)
-        * u64::from(cfg.load.repeats);
-    let bar = indicatif::ProgressBar::new(expected);
+    let bar = indicatif::ProgressBar::new(envelope_harness::expected_probes(&cfg));
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "{elapsed_precise} [{bar:30}] {pos}/~{len} probes, ETA {eta} {msg}",

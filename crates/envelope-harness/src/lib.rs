@@ -21,4 +21,4 @@ pub mod trace_load;
 pub mod truth;
 
 pub use config::{BenchConfig, ConfigError};
-pub use sweep::{run_sweep, SweepEvent, SweepOutput};
+pub use sweep::{expected_probes, run_sweep, SweepEvent, SweepOutput};

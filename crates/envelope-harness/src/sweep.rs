@@ -59,6 +59,33 @@ struct Ctx<'a> {
     telemetry: Vec<TelemetryRow>,
 }
 
+/// The levels a bucket's search runs over: concurrencies, or rates in
+/// steps of `load.rate_step_per_s` in open loop.
+fn level_range(cfg: &BenchConfig) -> (u32, u32) {
+    if cfg.load.is_open_loop() {
+        let step = cfg.load.rate_step_per_s;
+        (
+            (cfg.load.rate_min_per_s / step).ceil() as u32,
+            ((cfg.load.rate_max_per_s / step).floor() as u32).max(1),
+        )
+    } else {
+        (
+            cfg.concurrency_min,
+            cfg.concurrency_max.min(cfg.max_num_seqs),
+        )
+    }
+}
+
+/// The probes a sweep of `cfg` can be expected to run, from the level
+/// search's own steps ([`envelope_profile::search::expected_probes`]) per
+/// configuration, bucket and repeat: for a progress bar.
+pub fn expected_probes(cfg: &BenchConfig) -> u64 {
+    let (lo, hi) = level_range(cfg);
+    let per_search = envelope_profile::search::expected_probes(lo, hi.max(lo));
+    let searches = cfg.points.len() * cfg.buckets.len() * cfg.load.repeats.max(1) as usize;
+    (per_search * searches as f64).ceil() as u64
+}
+
 fn run_point(
     ctx: &mut Ctx,
     point: &MatrixPoint,
@@ -100,18 +127,7 @@ fn run_point(
         progress(SweepEvent::Note(&format!("{name}: {note}")));
     }
     let open_loop_mode = cfg.load.is_open_loop();
-    let (lo, hi) = if open_loop_mode {
-        let step = cfg.load.rate_step_per_s;
-        (
-            (cfg.load.rate_min_per_s / step).ceil() as u32,
-            ((cfg.load.rate_max_per_s / step).floor() as u32).max(1),
-        )
-    } else {
-        (
-            cfg.concurrency_min,
-            cfg.concurrency_max.min(cfg.max_num_seqs),
-        )
-    };
+    let (lo, hi) = level_range(cfg);
     'buckets: for bucket in &cfg.buckets {
         let bname = format!("{}x{}", bucket.input_tokens, bucket.output_tokens);
         let mut search = LevelSearch::new(lo, hi.max(lo));

@@ -135,6 +135,40 @@ impl LevelSearch {
     }
 }
 
+/// The probes a search from `min` to `max` runs when every screen reads
+/// its level right, averaged over true maxima from below `min` to `max`
+/// taken as equally likely (at most 64 of them, evenly spaced): its
+/// screens and its decided ends. What a progress bar can expect; noisy
+/// screens add to it.
+pub fn expected_probes(min: u32, max: u32) -> f64 {
+    let search = LevelSearch::new(min, max);
+    let (lo, hi) = (search.min - 1, search.max);
+    let span = hi - lo;
+    let samples = span.min(63) + 1;
+    let total: u64 = (0..samples)
+        .map(|i| lo + (u64::from(i) * u64::from(span) / u64::from(samples - 1).max(1)) as u32)
+        .map(|true_max| probes_against(search.clone(), true_max))
+        .sum();
+    total as f64 / f64::from(samples)
+}
+
+/// How many probes `search` runs against a server whose largest feasible
+/// level is `true_max`, every screen right.
+fn probes_against(mut search: LevelSearch, true_max: u32) -> u64 {
+    let mut probes = 0;
+    loop {
+        let (level, verdict) = match search.next() {
+            LevelStep::Screen(k) if k <= true_max => (k, LevelVerdict::LooksOk),
+            LevelStep::Screen(k) => (k, LevelVerdict::LooksBad),
+            LevelStep::Decide(k) if k <= true_max => (k, LevelVerdict::Holds),
+            LevelStep::Decide(k) => (k, LevelVerdict::Breached),
+            LevelStep::Done => return probes,
+        };
+        search.record(level, verdict);
+        probes += 1;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,6 +253,25 @@ mod tests {
             steps,
             vec![LevelStep::Screen(1), LevelStep::Decide(1), LevelStep::Done]
         );
+    }
+
+    #[test]
+    fn the_expected_probes_are_the_search_s_own() {
+        // One level: screened, then decided, whatever the server does.
+        assert_eq!(expected_probes(1, 1), 2.0);
+        assert_eq!(expected_probes(4, 4), 2.0);
+        // Levels 1 and 2: a server that breaches at 1 takes 2 probes
+        // (screen 1, decide 1); one whose most is 1 takes 4 (screen 1 and
+        // 2, decide both); one that holds at 2 takes 3 (screens 1 and 2,
+        // decide 2, the cap).
+        assert_eq!(expected_probes(1, 2), 3.0);
+        // Screens grow as log2 of the range, decisions stay at two.
+        for max in [8, 16, 64, 256, 4096] {
+            let e = expected_probes(1, max);
+            let log2 = f64::from(32 - max.leading_zeros());
+            assert!(e >= log2 && e <= 2.0 * log2 + 2.0, "{max}: {e}");
+        }
+        assert!(expected_probes(1, 64) > expected_probes(1, 8));
     }
 
     #[test]
