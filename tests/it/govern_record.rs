@@ -95,10 +95,7 @@ async fn recording_at_2000_requests_a_second_for_30_s_loses_no_record() {
     for t in tasks {
         let _ = t.await;
     }
-    let wall = start.elapsed().as_secs_f64();
     let answered = answered.load(Ordering::Relaxed);
-    // The load was offered at the rate (not slowed by a stalled client).
-    assert!(wall < secs * 1.2, "{total} requests took {wall:.1} s");
     assert!(
         answered as f64 >= 0.99 * total as f64,
         "{answered} of {total} answered"
@@ -121,8 +118,15 @@ async fn recording_at_2000_requests_a_second_for_30_s_loses_no_record() {
         .requests
         .iter()
         .all(|r| r.status == Some(200) && r.output_tokens == 4));
-    // Arrivals span the run (Unix times, shifted to 0).
-    assert!((trace.span_s() - secs).abs() < 3.0, "{}", trace.span_s());
+    // The load was offered at the rate, as the governor saw it arrive (its
+    // own arrival times, not the client's clock): a stalled client, whose
+    // requests bunch up late, would stretch the span.
+    assert!(
+        trace.span_s() < secs * 1.2 && trace.requests.len() as f64 / trace.span_s() > rate / 1.2,
+        "{} requests over {:.1} s",
+        trace.requests.len(),
+        trace.span_s()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
