@@ -707,8 +707,8 @@ impl Governor {
             let snapshot = self.snapshot(&mut g, now_ms, &ask);
             let (max_wait_ms, bound) = match decide(&snapshot, &terms) {
                 Decision::AdmitNow => {
-                    let reserved = g.ledger.reserve(&ask.tenant, ask.demand);
-                    debug_assert!(reserved.is_ok(), "checked under the same lock");
+                    // Checked by the snapshot, under the same lock.
+                    g.ledger.commit(&ask.tenant, ask.demand);
                     let p =
                         self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
                     self.publish(&g);

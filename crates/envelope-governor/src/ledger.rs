@@ -303,6 +303,13 @@ impl Ledger {
 
     pub fn reserve(&mut self, tenant: &str, d: Demand) -> Result<(), Refusal> {
         self.check(tenant, d)?;
+        self.commit(tenant, d);
+        Ok(())
+    }
+
+    /// Reserves `d` for `tenant` without checking: only after
+    /// [`Ledger::check`] said it fits, with nothing changed between.
+    pub fn commit(&mut self, tenant: &str, d: Demand) {
         match self.tenants.get_mut(tenant) {
             Some(t) => (0..RESOURCES).for_each(|r| *t.used.get_mut(r) += d.get(r)),
             // A tenant with no share and nothing held has no entry.
@@ -317,7 +324,6 @@ impl Ledger {
         for r in 0..RESOURCES {
             *self.used.get_mut(r) += d.get(r);
         }
-        Ok(())
     }
 
     /// Returns a reservation. Saturates, so a double release cannot

@@ -33,8 +33,8 @@ impl Governor {
         };
         match decide(&snapshot, &no_wait) {
             Decision::AdmitNow => {
-                let reserved = g.ledger.reserve(&ask.tenant, ask.demand);
-                debug_assert!(reserved.is_ok(), "checked under the same lock");
+                // Checked by the snapshot, under the same lock.
+                g.ledger.commit(&ask.tenant, ask.demand);
                 let p = self.permit(&mut g, &ask.tenant, ask.demand, ask.charges, Duration::ZERO);
                 self.publish(&g);
                 Ok(Some(p))
