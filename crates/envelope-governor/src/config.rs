@@ -4,7 +4,7 @@
 //! profile and the overrides into [`Settings`].
 
 use crate::error::StartError;
-use crate::{live_guard, Beyond, LadderConfig, OverBudget, OverLimit, Settings, TenantsFile};
+use crate::{live_guard, Beyond, LadderSettings, OverBudget, OverLimit, Settings, TenantsFile};
 use clap::Args;
 use envelope_profile::{Limits, Profile};
 use serde::Deserialize;
@@ -456,11 +456,11 @@ impl GovernArgs {
             s.tenants = TenantsFile::from_toml(&t, &p.display().to_string())
                 .map_err(StartError::Invalid)?;
         }
-        s.ladder = LadderConfig {
+        s.ladder = LadderSettings {
             small_kv_usage: self.guard_small_kv.unwrap_or(0.90),
             reject_kv_usage: self.guard_reject_kv.unwrap_or(0.98),
             min_gpu_free_bytes: self.guard_min_gpu_free_bytes,
-            ..LadderConfig::default()
+            ..LadderSettings::default()
         };
         s.admin_token = self.admin_token.clone();
         if let Some(p) = &self.budgets {

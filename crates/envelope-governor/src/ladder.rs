@@ -29,7 +29,7 @@ impl Level {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct LadderConfig {
+pub struct LadderSettings {
     /// Upstream KV use (0..1) at which caps tighten.
     pub small_kv_usage: f64,
     /// Upstream KV use at which new requests are refused.
@@ -51,9 +51,9 @@ pub struct LadderConfig {
     pub upstream_error_burst: u64,
 }
 
-impl Default for LadderConfig {
+impl Default for LadderSettings {
     fn default() -> Self {
-        LadderConfig {
+        LadderSettings {
             small_kv_usage: 0.90,
             reject_kv_usage: 0.98,
             recover_margin: 0.10,
@@ -82,7 +82,7 @@ pub struct Reading {
 
 #[derive(Debug, Clone)]
 pub struct Ladder {
-    cfg: LadderConfig,
+    cfg: LadderSettings,
     level: Level,
     last_ok_ms: Option<u64>,
     started_ms: u64,
@@ -93,7 +93,7 @@ pub struct Ladder {
 }
 
 impl Ladder {
-    pub fn new(cfg: LadderConfig, now_ms: u64) -> Ladder {
+    pub fn new(cfg: LadderSettings, now_ms: u64) -> Ladder {
         Ladder {
             cfg,
             level: Level::Normal,
@@ -109,7 +109,7 @@ impl Ladder {
         self.level
     }
 
-    pub fn config(&self) -> &LadderConfig {
+    pub fn config(&self) -> &LadderSettings {
         &self.cfg
     }
 
@@ -209,7 +209,7 @@ mod tests {
     }
 
     fn ladder() -> Ladder {
-        Ladder::new(LadderConfig::default(), 0)
+        Ladder::new(LadderSettings::default(), 0)
     }
 
     #[test]
@@ -282,9 +282,9 @@ mod tests {
 
     #[test]
     fn gpu_free_memory_floor() {
-        let cfg = LadderConfig {
+        let cfg = LadderSettings {
             min_gpu_free_bytes: Some(1000),
-            ..LadderConfig::default()
+            ..LadderSettings::default()
         };
         let mut l = Ladder::new(cfg, 0);
         let mut r = ok(0, 0.1);

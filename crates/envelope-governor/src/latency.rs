@@ -17,7 +17,7 @@ use envelope_profile::Slo;
 use std::collections::VecDeque;
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct LatencyConfig {
+pub struct LatencySettings {
     pub enabled: bool,
     pub ttft_slo_ms: Option<f64>,
     pub itl_slo_ms: Option<f64>,
@@ -41,9 +41,9 @@ pub struct LatencyConfig {
     pub recover_step: f64,
 }
 
-impl Default for LatencyConfig {
+impl Default for LatencySettings {
     fn default() -> Self {
-        LatencyConfig {
+        LatencySettings {
             enabled: true,
             ttft_slo_ms: None,
             itl_slo_ms: None,
@@ -59,14 +59,14 @@ impl Default for LatencyConfig {
     }
 }
 
-impl LatencyConfig {
+impl LatencySettings {
     /// Guards the profile's TTFT, ITL and e2e SLOs.
-    pub fn from_slo(slo: &Slo) -> LatencyConfig {
-        LatencyConfig {
+    pub fn from_slo(slo: &Slo) -> LatencySettings {
+        LatencySettings {
             ttft_slo_ms: slo.ttft_p95_ms,
             itl_slo_ms: slo.itl_p95_ms,
             e2e_slo_ms: slo.e2e_p99_ms,
-            ..LatencyConfig::default()
+            ..LatencySettings::default()
         }
     }
 
@@ -130,7 +130,7 @@ pub struct Observed {
 
 #[derive(Debug, Clone)]
 pub struct LatencyGuard {
-    cfg: LatencyConfig,
+    cfg: LatencySettings,
     samples: VecDeque<Sample>,
     /// Share of the profile's ceiling admitted now, in (floor, 1].
     fraction: f64,
@@ -165,7 +165,7 @@ fn step_up(fraction: f64, step: f64) -> f64 {
 impl LatencyGuard {
     /// `floor`: the least share it may lower to (one sequence of the most
     /// expensive bucket, so every shape the profile admits can still run).
-    pub fn new(cfg: LatencyConfig, floor: f64) -> LatencyGuard {
+    pub fn new(cfg: LatencySettings, floor: f64) -> LatencyGuard {
         let cause = if cfg.active() { "slo_met" } else { "off" };
         LatencyGuard {
             cfg,
@@ -181,7 +181,7 @@ impl LatencyGuard {
         }
     }
 
-    pub fn config(&self) -> &LatencyConfig {
+    pub fn config(&self) -> &LatencySettings {
         &self.cfg
     }
 
@@ -324,10 +324,10 @@ mod tests {
     use super::*;
 
     fn guard() -> LatencyGuard {
-        let cfg = LatencyConfig {
+        let cfg = LatencySettings {
             ttft_slo_ms: Some(1000.0),
             itl_slo_ms: Some(100.0),
-            ..LatencyConfig::default()
+            ..LatencySettings::default()
         };
         LatencyGuard::new(cfg, 0.25)
     }
@@ -435,7 +435,7 @@ mod tests {
 
     #[test]
     fn without_slos_or_samples_it_does_nothing() {
-        let mut g = LatencyGuard::new(LatencyConfig::default(), 0.1);
+        let mut g = LatencyGuard::new(LatencySettings::default(), 0.1);
         assert_eq!(g.cause, "off");
         let mut t = 0;
         assert!(feed(&mut g, &mut t, 50, 1e9, 1e9).is_empty());

@@ -359,8 +359,8 @@ mod tests {
 
     #[test]
     fn absent_metrics_keep_the_ladder_normal() {
-        use crate::ladder::{Ladder, LadderConfig, Level};
-        let mut ladder = Ladder::new(LadderConfig::default(), 0);
+        use crate::ladder::{Ladder, LadderSettings, Level};
+        let mut ladder = Ladder::new(LadderSettings::default(), 0);
         let mut w = MetricsWatch::new("http://u/metrics");
         for t in 0..60u64 {
             let (r, _) = w.reading(missing(), None);
@@ -371,7 +371,7 @@ mod tests {
         }
         assert_eq!(ladder.level(), Level::Normal);
         // The same failures after metrics worked: stale, then reject.
-        let mut ladder = Ladder::new(LadderConfig::default(), 0);
+        let mut ladder = Ladder::new(LadderSettings::default(), 0);
         let mut w = MetricsWatch::new("http://u/metrics");
         let (r, _) = w.reading(envelope_metrics(), None);
         ladder.observe(Reading { now_ms: 0, ..r });

@@ -19,7 +19,7 @@ pub struct Usage {
 /// point).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PriceSpec {
+pub struct PriceConfig {
     #[serde(default)]
     pub input_per_mtok: Option<f64>,
     #[serde(default)]
@@ -30,7 +30,7 @@ pub struct PriceSpec {
     pub gpu_second: Option<f64>,
 }
 
-impl PriceSpec {
+impl PriceConfig {
     /// Checks one price contract; `at` names it in the message
     /// (`tiers.fast.price`, `b.toml: price`).
     ///
@@ -98,7 +98,7 @@ impl Price {
     ///
     /// # Errors
     /// A GPU-second price for a profile that measured no throughput.
-    pub fn new(spec: Option<&PriceSpec>, profile: &Profile) -> Result<Price, String> {
+    pub fn new(spec: Option<&PriceConfig>, profile: &Profile) -> Result<Price, String> {
         let Some(s) = spec else {
             return Ok(Price::Free);
         };

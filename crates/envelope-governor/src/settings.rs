@@ -21,7 +21,7 @@
 //! else it is `default`. A client-chosen `x-envelope-tenant` counts for
 //! nothing: without a trusted header every anonymous request is `default`.
 
-use crate::ladder::LadderConfig;
+use crate::ladder::LadderSettings;
 use crate::ledger::{validate_shares, Share};
 use crate::queue::Class;
 use envelope_profile::Limits;
@@ -93,7 +93,7 @@ impl std::str::FromStr for OverBudget {
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
-pub struct TenantSpec {
+pub struct TenantConfig {
     #[serde(default)]
     pub guaranteed: f64,
     #[serde(default = "one")]
@@ -141,7 +141,7 @@ pub struct TenantsFile {
     #[serde(default)]
     pub default_classes: Option<Vec<Class>>,
     #[serde(default)]
-    pub tenants: HashMap<String, TenantSpec>,
+    pub tenants: HashMap<String, TenantConfig>,
     /// API key -> tenant, built by [`TenantsFile::from_toml`] / [`TenantsFile::index`].
     #[serde(skip)]
     keys: HashMap<String, String>,
@@ -306,7 +306,7 @@ pub struct Settings {
     /// Longest gap between chunks of an upstream response before it counts as hung.
     pub upstream_idle_timeout_ms: u64,
     pub tenants: TenantsFile,
-    pub ladder: LadderConfig,
+    pub ladder: LadderSettings,
     pub admin_token: Option<String>,
     pub profile_id: String,
     pub drain_window_ms: u64,
@@ -317,7 +317,7 @@ pub struct Settings {
     pub batch_ttft_budget_ms: Option<f64>,
     pub over_budget: OverBudget,
     /// The latency guard (proxied TTFT/ITL/e2e against the profile's SLOs).
-    pub latency: crate::latency::LatencyConfig,
+    pub latency: crate::latency::LatencySettings,
     /// A client's request headers must arrive within this, ms.
     pub header_read_timeout_ms: u64,
     /// Most client connections open at once; more wait to be accepted.
@@ -396,7 +396,7 @@ impl Settings {
             upstream_timeout_ms: 600_000,
             upstream_idle_timeout_ms: 60_000,
             tenants: TenantsFile::default(),
-            ladder: LadderConfig::default(),
+            ladder: LadderSettings::default(),
             admin_token: None,
             profile_id: profile_id.into(),
             drain_window_ms: 10_000,
@@ -404,7 +404,7 @@ impl Settings {
             interactive_ttft_budget_ms: None,
             batch_ttft_budget_ms: None,
             over_budget: OverBudget::Shed,
-            latency: crate::latency::LatencyConfig::default(),
+            latency: crate::latency::LatencySettings::default(),
             header_read_timeout_ms: 10_000,
             max_connections: 4096,
             connect_timeout_ms: 5_000,
@@ -425,7 +425,7 @@ impl Settings {
         let id = format!("{}@{}", p.selected, p.created_unix_ms);
         let mut s = Settings::new(limits, id);
         s.interactive_ttft_budget_ms = p.slo.ttft_p95_ms;
-        s.latency = crate::latency::LatencyConfig::from_slo(&p.slo);
+        s.latency = crate::latency::LatencySettings::from_slo(&p.slo);
         s
     }
 

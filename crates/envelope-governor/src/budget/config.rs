@@ -25,7 +25,7 @@
 //! ```
 
 use crate::names::{valid_name, valid_tenant_name};
-use crate::price::{Price, PriceSpec};
+use crate::price::{Price, PriceConfig};
 use envelope_profile::Profile;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -99,7 +99,7 @@ impl Kind {
 /// One budget's limits as written.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct LimitSpec {
+pub struct LimitConfig {
     #[serde(default)]
     pub requests_per_minute: Option<f64>,
     #[serde(default)]
@@ -114,7 +114,7 @@ pub struct LimitSpec {
     pub mode: Option<Mode>,
 }
 
-impl LimitSpec {
+impl LimitConfig {
     pub fn limit(&self, k: Kind) -> Option<f64> {
         match k {
             Kind::Requests => self.requests_per_minute,
@@ -127,19 +127,19 @@ impl LimitSpec {
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct FileSpec {
+struct BudgetsConfig {
     #[serde(default)]
     prices_version: Option<String>,
     #[serde(default)]
-    price: Option<PriceSpec>,
+    price: Option<PriceConfig>,
     #[serde(default)]
     on_store_error: OnStoreError,
     #[serde(default)]
     mode: Mode,
     #[serde(default)]
-    tenants: BTreeMap<String, LimitSpec>,
+    tenants: BTreeMap<String, LimitConfig>,
     #[serde(default)]
-    features: BTreeMap<String, LimitSpec>,
+    features: BTreeMap<String, LimitConfig>,
 }
 
 /// Whom a budget is for.
@@ -196,7 +196,7 @@ impl Budgets {
     /// Not TOML of this shape, a limit that is not a positive number, a
     /// name that is not valid, a price without its contract's version.
     pub fn from_toml(text: &str, path: &str, profile: &Profile) -> Result<Budgets, String> {
-        let f: FileSpec = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
+        let f: BudgetsConfig = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
         if let Some(p) = &f.price {
             p.check(&format!("{path}: price"))?;
         }
@@ -210,7 +210,7 @@ impl Budgets {
                 "{path}: prices_version: required with a price (the price contract's version)"
             ));
         }
-        let rules = |scope: Scope, specs: &BTreeMap<String, LimitSpec>| {
+        let rules = |scope: Scope, specs: &BTreeMap<String, LimitConfig>| {
             let mut out = BTreeMap::new();
             for (name, spec) in specs {
                 let at = format!("{path}: {}s.{name}", scope.label());

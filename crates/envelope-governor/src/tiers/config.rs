@@ -19,25 +19,25 @@ pub struct TiersFile {
     /// Tier names, cheapest first: a call below every rule's threshold
     /// starts on the first; escalation climbs this list.
     pub order: Vec<String>,
-    pub tiers: BTreeMap<String, TierSpec>,
+    pub tiers: BTreeMap<String, TierConfig>,
     #[serde(default)]
-    pub rules: Vec<RuleSpec>,
+    pub rules: Vec<RuleConfig>,
     #[serde(default)]
-    pub escalation: EscalationSpec,
+    pub escalation: EscalationConfig,
     /// Per tier, the tiers (in order) a call may be placed on instead when
     /// this one has no room for it now: up or down, as the operator says.
     #[serde(default)]
     pub fallback: BTreeMap<String, Vec<String>>,
     #[serde(default)]
-    pub cache: CacheSpec,
+    pub cache: CacheConfig,
     /// The price contract's version (required when any tier has a price).
     #[serde(default)]
     pub prices_version: Option<String>,
     /// Allowed cost per call, per feature (`x-envelope-feature`).
     #[serde(default)]
-    pub features: BTreeMap<String, FeatureSpec>,
+    pub features: BTreeMap<String, FeatureConfig>,
     #[serde(default)]
-    pub shadow: ShadowSpec,
+    pub shadow: ShadowConfig,
     /// Replaced by `envelope govern --record FILE`; kept only to say so.
     #[serde(default)]
     pub calls_log: Option<PathBuf>,
@@ -45,19 +45,19 @@ pub struct TiersFile {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TierSpec {
-    pub upstreams: Vec<UpstreamSpec>,
+pub struct TierConfig {
+    pub upstreams: Vec<UpstreamConfig>,
     /// The most a call on this tier may take, ms: its deadline when the
     /// client's is longer (or absent).
     #[serde(default)]
     pub latency_budget_ms: Option<u64>,
     #[serde(default)]
-    pub price: Option<PriceSpec>,
+    pub price: Option<PriceConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct UpstreamSpec {
+pub struct UpstreamConfig {
     /// The OpenAI-compatible server.
     pub url: String,
     /// Its measured profile (relative to the tiers file).
@@ -71,13 +71,13 @@ pub struct UpstreamSpec {
     pub tokenizer: Option<PathBuf>,
 }
 
-pub use crate::price::PriceSpec;
+pub use crate::price::PriceConfig;
 
 /// A rule: when every condition it sets holds, the call starts on `tier`
 /// (the most capable tier any matching rule names wins).
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RuleSpec {
+pub struct RuleConfig {
     pub name: String,
     pub tier: String,
     /// The call stays on this tier: no escalation, no fallback (tool-calling
@@ -159,7 +159,7 @@ pub enum StreamMode {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct EscalationSpec {
+pub struct EscalationConfig {
     #[serde(default = "all_checks")]
     pub on: Vec<Check>,
     #[serde(default)]
@@ -177,9 +177,9 @@ fn all_checks() -> Vec<Check> {
     ]
 }
 
-impl Default for EscalationSpec {
+impl Default for EscalationConfig {
     fn default() -> Self {
-        EscalationSpec {
+        EscalationConfig {
             on: all_checks(),
             out_of_time: OutOfTime::default(),
             streams: StreamMode::default(),
@@ -189,7 +189,7 @@ impl Default for EscalationSpec {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct CacheSpec {
+pub struct CacheConfig {
     #[serde(default)]
     pub enabled: bool,
     /// Bound on the bytes held (requests and answers).
@@ -206,9 +206,9 @@ fn default_cache_ttl() -> u64 {
     300
 }
 
-impl Default for CacheSpec {
+impl Default for CacheConfig {
     fn default() -> Self {
-        CacheSpec {
+        CacheConfig {
             enabled: false,
             max_bytes: default_cache_bytes(),
             ttl_s: default_cache_ttl(),
@@ -218,13 +218,13 @@ impl Default for CacheSpec {
 
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct FeatureSpec {
+pub struct FeatureConfig {
     pub max_cost_per_call: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ShadowSpec {
+pub struct ShadowConfig {
     /// The share of calls answered by a tier below the top that are also
     /// sent, off the request path, to the next tier up (0..1).
     #[serde(default)]
@@ -238,9 +238,9 @@ fn default_shadow_in_flight() -> usize {
     4
 }
 
-impl Default for ShadowSpec {
+impl Default for ShadowConfig {
     fn default() -> Self {
-        ShadowSpec {
+        ShadowConfig {
             sample: 0.0,
             max_in_flight: default_shadow_in_flight(),
         }

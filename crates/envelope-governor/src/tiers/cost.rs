@@ -4,7 +4,7 @@
 //! cost, escalations and latency per feature and tier, and the features
 //! whose mean cost per call is over their allowance.
 
-use super::config::FeatureSpec;
+use super::config::FeatureConfig;
 pub use crate::price::{safe_point_tok_per_s, Price};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -88,7 +88,10 @@ impl Book {
 
     /// Features whose mean cost per call is over their allowance:
     /// (feature, cost per call, allowed).
-    pub fn over_budget(&self, allowed: &BTreeMap<String, FeatureSpec>) -> Vec<(String, f64, f64)> {
+    pub fn over_budget(
+        &self,
+        allowed: &BTreeMap<String, FeatureConfig>,
+    ) -> Vec<(String, f64, f64)> {
         self.cost_per_call()
             .into_iter()
             .filter_map(|(f, c)| {
@@ -155,7 +158,7 @@ impl Book {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::price::{PriceSpec, Usage};
+    use crate::price::{PriceConfig, Usage};
     use envelope_profile::Profile;
 
     #[test]
@@ -200,7 +203,7 @@ mod tests {
         // feasible probes: 399.47, 373.29 and 376.56 tok/s.
         let rate = safe_point_tok_per_s(&p).unwrap();
         assert!((rate - 383.105).abs() < 0.01, "{rate}");
-        let spec = PriceSpec {
+        let spec = PriceConfig {
             input_per_mtok: None,
             cached_input_per_mtok: None,
             output_per_mtok: None,
@@ -235,16 +238,16 @@ mod tests {
         }
         let per = b.cost_per_call();
         assert!((per["sum"] - 0.2).abs() < 1e-12);
-        let allowed: BTreeMap<String, FeatureSpec> = [
+        let allowed: BTreeMap<String, FeatureConfig> = [
             (
                 "sum".to_string(),
-                FeatureSpec {
+                FeatureConfig {
                     max_cost_per_call: 0.15,
                 },
             ),
             (
                 "plan".to_string(),
-                FeatureSpec {
+                FeatureConfig {
                     max_cost_per_call: 0.15,
                 },
             ),

@@ -4,7 +4,7 @@
 //! them names wins, so raising one signal past its threshold can only move
 //! a call up. Pure functions.
 
-use super::config::{RuleSpec, TiersFile};
+use super::config::{RuleConfig, TiersFile};
 use serde_json::{Map, Value};
 
 /// What routing looks at.
@@ -78,7 +78,7 @@ pub fn wants_json(body: &Map<String, Value>) -> bool {
         .is_some_and(|t| t == "json_object" || t == "json_schema")
 }
 
-fn matches(r: &RuleSpec, s: &Signals) -> bool {
+fn matches(r: &RuleConfig, s: &Signals) -> bool {
     let over = |limit: Option<u64>, v: u64| limit.is_none_or(|l| v > l);
     over(r.prompt_tokens_over, s.prompt_tokens)
         && r.max_tokens_over

@@ -6,7 +6,7 @@
 //! /admin/tiers/rollback`), and the drain at SIGTERM.
 
 use super::call;
-use super::config::{PriceSpec, TiersFile, UpstreamSpec};
+use super::config::{PriceConfig, TiersFile, UpstreamConfig};
 use super::cost::Price;
 use super::metrics::{labels, merge};
 use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
@@ -61,7 +61,7 @@ fn read_file(path: &Path) -> Result<(TiersFile, String), StartError> {
 /// profile and the tenants file): unchanged text, unchanged settings.
 fn read_profile(
     args: &GovernArgs,
-    spec: &UpstreamSpec,
+    spec: &UpstreamConfig,
 ) -> Result<(ProfileFile, String), StartError> {
     let profile = ProfileFile::read("profile", &spec.profile)?;
     let mut text = profile.text.clone();
@@ -76,8 +76,8 @@ fn read_profile(
 async fn upstream(
     args: &GovernArgs,
     field: &str,
-    spec: &UpstreamSpec,
-    price: Option<&PriceSpec>,
+    spec: &UpstreamConfig,
+    price: Option<&PriceConfig>,
     reuse: Option<&Arc<Upstream>>,
 ) -> Result<(Arc<Upstream>, Option<crate::Settings>), StartError> {
     let named = |e: StartError| StartError::Invalid(format!("{field}: {e}"));

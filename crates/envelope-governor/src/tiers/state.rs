@@ -4,7 +4,7 @@
 //! conversations that escalated, shadow agreement and the recorder.
 
 use super::cache::AnswerCache;
-use super::config::{TiersFile, UpstreamSpec};
+use super::config::{TiersFile, UpstreamConfig};
 use super::cost::{Book, Price};
 use super::metrics::{labels, TierMetrics};
 use crate::config::GovernArgs;
@@ -31,7 +31,7 @@ impl Drop for Tasks {
 /// One upstream of a tier, with its governor (profile, ledger, queue,
 /// guards) and price.
 pub struct Upstream {
-    pub spec: UpstreamSpec,
+    pub spec: UpstreamConfig,
     pub app: Arc<AppState>,
     pub price: Price,
     /// Whether it runs at half its profile (fingerprint mismatch).
