@@ -505,52 +505,17 @@ impl Governor {
         Self::wake(wakes);
     }
 
-    /// Estimated wait before `demand` of `class` fits, in ms: the larger of
-    /// the KV tokens that must drain (at the measured rate) and the
-    /// sequences that must finish (a full node finishes its concurrency cap
-    /// per mean service time). `None` before anything was measured.
+    /// Estimated wait before `demand` of `class` fits, in ms, behind what
+    /// is queued ahead of it ([`wait_estimate::wait_ms`]).
     fn wait_estimate_ms(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> Option<f64> {
-        let cap = g.ledger.capacity();
-        let used = g.ledger.used();
         let ahead = g.queue.demand_ahead_of(class).plus(demand);
-        let kv_excess = ahead.kv_tokens.saturating_sub(g.ledger.kv_headroom());
-        let seq_excess = ahead
-            .seqs
-            .saturating_sub(cap.seqs.saturating_sub(used.seqs));
-        let unit_excess = ahead
-            .capacity
-            .saturating_sub(cap.capacity.saturating_sub(used.capacity));
-        let kv_wait = g.drain.wait_ms(now_ms, kv_excess, cap.kv_tokens);
-        // A full node finishes its whole cap per mean service time.
-        let per_service = |excess: u64, cap: u64| {
-            if excess == 0 {
-                Some(0.0)
-            } else {
-                g.drain
-                    .service_ms()
-                    .map(|s| s * excess as f64 / cap.max(1) as f64)
-            }
-        };
-        let seq_wait = match (
-            per_service(seq_excess, cap.seqs),
-            per_service(unit_excess, cap.capacity),
-        ) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
-        match (kv_wait, seq_wait) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
+        wait_estimate::wait_ms(&g.ledger, ahead, &mut g.drain, now_ms)
     }
 
     /// Whole seconds (1..=60) until `demand` would likely fit.
     fn retry_after(g: &mut Inner, now_ms: u64, class: Class, demand: Demand) -> u64 {
-        let w = Self::wait_estimate_ms(g, now_ms, class, demand)
-            .filter(|&w| w > 0.0)
-            .or(g.drain.service_ms())
-            .unwrap_or(1000.0);
-        retry_after_from_ms(w)
+        let ahead = g.queue.demand_ahead_of(class).plus(demand);
+        wait_estimate::retry_after_s(&g.ledger, ahead, &mut g.drain, now_ms)
     }
 
     fn overloaded(reason: OverloadReason, retry_after_s: u64, message: String) -> GovernError {
@@ -761,3 +726,4 @@ mod now;
 mod pod_load;
 mod queued;
 mod state;
+mod wait_estimate;
