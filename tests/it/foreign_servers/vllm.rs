@@ -237,8 +237,7 @@ fn governor_metric(g: &Governor, name: &str) -> f64 {
         .sum()
 }
 
-/// Direct (index 0) and governed (1) in alternating blocks at the
-/// shape's safe concurrency.
+/// Direct (index 0) and governed (1) in alternating blocks.
 struct Blocks {
     /// Each block's goodput.
     goodputs: [Vec<f64>; 2],
@@ -250,7 +249,7 @@ struct Blocks {
     waits: String,
 }
 
-fn at_the_envelope(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) -> Blocks {
+fn in_blocks(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) -> Blocks {
     let cap = Duration::from_secs(120);
     let (mut goodputs, mut answers) = ([vec![], vec![]], [vec![], vec![]]);
     let mut secs = [0.0; 2];
@@ -289,14 +288,58 @@ fn at_the_envelope(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) ->
     }
 }
 
+/// Tallies both sides of `blocks` (asserting the governed answers are
+/// well formed) and prints their line; `compare` decides the governed
+/// blocks against the direct ones.
+fn blocks_line(
+    label: &str,
+    clients: usize,
+    blocks: &Blocks,
+    g: &Governor,
+    compare: impl Fn(&[f64], &[f64]) -> (Decision, (f64, f64)),
+) -> (String, Decision, (f64, f64)) {
+    let Blocks {
+        goodputs: [direct, governed],
+        answers: [d_all, g_all],
+        secs: [d_secs, g_secs],
+        waits,
+    } = blocks;
+    tally(
+        &format!("vLLM direct, {label}, {BLOCK_PAIRS} blocks"),
+        d_all,
+        *d_secs,
+    );
+    assert_governed(
+        &format!("vLLM governed, {label}, {BLOCK_PAIRS} blocks"),
+        g_all,
+        *g_secs,
+        g,
+    );
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let (decision, (lo, hi)) = compare(direct, governed);
+    let line = format!(
+        "{label} ({clients} clients, {BLOCK_PAIRS} blocks a side of {BLOCK_ANSWERS} answers a client): direct {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {direct:.2?}), governed {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {governed:.2?}), {:.2} of direct (90% interval {lo:.2}..{hi:.2}): {decision:?}; {waits}\n",
+        mean(direct),
+        goodput(d_all).1,
+        meets_the_slo(d_all),
+        mean(governed),
+        goodput(g_all).1,
+        meets_the_slo(g_all),
+        mean(governed) / mean(direct),
+    );
+    eprint!("{line}");
+    (line, decision, (lo, hi))
+}
+
 /// Closed loops of distinct chat prompts at 1x, 2x and 4x their shape's
 /// safe concurrency, straight at vLLM and through the governor: the
 /// table, and each rule that did not hold (every line is checked, so one
 /// run shows all of them).
 ///
-/// At 1x the rule is the gate's: governed goodput at least 0.95 of
-/// direct's, failed only when the interval of the ratio over the blocks
-/// (Welch, 90%) lies below it. Past 1x, 30 s loops.
+/// At 1x and 2x, alternating blocks, and the gate's rule: at 1x governed
+/// goodput at least 0.95 of direct's, failed only when the interval of the
+/// ratio over the blocks (Welch, 90%) lies below it; the 2x lines the
+/// same way. At 4x, where direct collapses, one 30 s loop a side.
 fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (String, Vec<String>) {
     // The chat prompts as the governor counts them (with the template),
     // and the safe concurrency of their shape: between the two buckets.
@@ -332,103 +375,120 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
     });
     let mut table = String::new();
     let mut failed: Vec<String> = vec![];
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    // The gate's rule over the blocks: `governed >= factor x baseline`
+    // fails only when the interval of the ratio (Welch, 90%) lies below
+    // the factor. The interval, as a ratio.
+    let decided = |baseline: &[f64], governed: &[f64], factor: f64| {
+        let c = compare_repeats(baseline, governed, factor, true, 0.9, 0.1).unwrap();
+        let (lo, hi) = c.interval.unwrap_or((f64::NAN, f64::NAN));
+        (c.decision, (lo * factor, hi * factor))
+    };
 
     // Inside the envelope the governor costs nothing.
-    let Blocks {
-        goodputs: [direct, governed],
-        answers: [d_all, g_all],
-        secs: [d_secs, g_secs],
-        waits,
-    } = at_the_envelope(server, g, safe, &ask);
-    tally(
-        &format!("vLLM direct, 1x, {BLOCK_PAIRS} blocks"),
-        &d_all,
-        d_secs,
-    );
-    assert_governed(
-        &format!("vLLM governed, 1x, {BLOCK_PAIRS} blocks"),
-        &g_all,
-        g_secs,
-        g,
-    );
-    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-    let direct_at_envelope = mean(&direct);
-    let c = compare_repeats(&direct, &governed, 0.95, true, 0.9, 0.1).unwrap();
-    let (lo, hi) = c.interval.unwrap_or((f64::NAN, f64::NAN));
-    let line = format!(
-        "1x ({safe} clients, {BLOCK_PAIRS} blocks a side of {BLOCK_ANSWERS} answers a client): direct {direct_at_envelope:.2}/s (TTFT p95 {:.2} s; blocks {direct:.2?}), governed {:.2}/s (TTFT p95 {:.2} s; blocks {governed:.2?}), {:.2} of direct (90% interval {:.2}..{:.2}): {:?} against 0.95; {waits}\n",
-        goodput(&d_all).1,
-        mean(&governed),
-        goodput(&g_all).1,
-        mean(&governed) / direct_at_envelope,
-        lo * 0.95,
-        hi * 0.95,
-        c.decision,
-    );
-    eprint!("{line}");
+    let at_1x = in_blocks(server, g, safe, &ask);
+    let direct_1x = &at_1x.goodputs[0];
+    let (line, decision, (lo, hi)) =
+        blocks_line("1x", safe, &at_1x, g, |d, gv| decided(d, gv, 0.95));
     table += &line;
-    if c.decision == Decision::Breached {
+    if decision == Decision::Breached {
         failed.push(format!(
-            "1x: governed >= 0.95 x direct (interval of the ratio {:.2}..{:.2})",
-            lo * 0.95,
-            hi * 0.95
+            "1x: governed >= 0.95 x direct (interval of the ratio {lo:.2}..{hi:.2})"
         ));
     }
 
-    // Past the envelope, 2x and 4x.
-    for times in [2, 4] {
-        let clients = safe * times;
-        let direct = closed_loop(&server.base, clients, SECS, ask.clone());
-        let governed = closed_loop(&g.base, clients, SECS, ask.clone());
-        tally(&format!("vLLM direct, {times}x"), &direct, SECS);
-        assert_governed(&format!("vLLM governed, {times}x"), &governed, SECS, g);
-        let ((d, d95), (gv, g95)) = (goodput(&direct), goodput(&governed));
-        let line = format!(
-            "{times}x ({clients} clients): direct {d:.2}/s (TTFT p95 {d95:.2} s, SLO {:?}), governed {gv:.2}/s (TTFT p95 {g95:.2} s, SLO {:?}), {:.2} of direct\n",
-            meets_the_slo(&direct),
-            meets_the_slo(&governed),
-            gv / d.max(1e-9)
-        );
-        eprint!("{line}");
-        table += &line;
-        // Every line is checked, and the test fails at the end naming each
-        // that did not hold (so one run shows all of them).
-        let mut check = |ok: bool, rule: &str| {
-            if !ok {
-                failed.push(format!("{times}x: {rule}"));
+    // Just past the envelope, 2x, in blocks too: here direct's TTFT p95
+    // lands near the SLO on this machine (3.74 s to 5.09 s over the runs
+    // in docs/measurements/2026-12-06-vllm-chain.md), and one 30 s loop a
+    // side read governed 0.92 of a direct that had just broken it.
+    let at_2x = in_blocks(server, g, safe * 2, &ask);
+    let (line, _, _) = blocks_line("2x", safe * 2, &at_2x, g, |d, gv| decided(d, gv, 1.0));
+    table += &line;
+    let [direct_2x, governed_2x] = &at_2x.goodputs;
+    let breached = |(decision, (lo, hi)): (Decision, (f64, f64)), rule: &str| {
+        (decision == Decision::Breached)
+            .then(|| format!("2x: {rule} (interval of the ratio {lo:.2}..{hi:.2})"))
+    };
+    // Whether direct meets the SLO is decided as the sweep decides a
+    // level, on the answers of its four blocks.
+    match meets_the_slo(&at_2x.answers[0]) {
+        Decision::Holds => failed.extend(breached(
+            decided(direct_2x, governed_2x, 1.0 - headroom - 0.05),
+            "direct meets the SLO: governed >= (1 - headroom - 0.05) x direct",
+        )),
+        Decision::Breached => {
+            if meets_the_slo(&at_2x.answers[1]) == Decision::Breached {
+                failed
+                    .push("2x: direct breaks the SLO: governed TTFT p95 not shown over it".into());
             }
-        };
-        // Whether direct meets the SLO is decided as the sweep decides a
-        // level (the sequential test at 90%): a p95 of 3.8 s against 4 s
-        // on 40 answers is not a level shown to meet it, nor one shown to
-        // break it; such a load is held to the envelope line alone.
-        match meets_the_slo(&direct) {
-            Decision::Holds => check(
-                gv >= (1.0 - headroom - 0.05) * d,
-                "direct meets the SLO: governed >= (1 - headroom - 0.05) x direct",
-            ),
-            Decision::Breached => {
-                // Decided by the same rule: one run here read 4.15 s on 36
-                // governed answers at 4x (two or three over), which no
-                // rule at 90% calls a breach; a governor that let the load
-                // through reads 10 s and is decided breached.
-                check(
-                    meets_the_slo(&governed) != Decision::Breached,
-                    "direct breaks the SLO: governed TTFT p95 not shown over it",
-                );
-                check(gv >= d, "direct breaks the SLO: governed >= direct");
-            }
-            Decision::Undecided => {}
+            // Where direct has only just broken the SLO its answers have
+            // not collapsed: most still come inside it, and direct uses the
+            // headroom the profile keeps unused by design (the governor
+            // holds the server at the safe level, 1 - headroom of the
+            // level found feasible), so the bar is direct less the
+            // headroom. A governor that let the load through, or charged
+            // the bucket above, is far below it (0.52 of direct).
+            failed.extend(breached(
+                decided(direct_2x, governed_2x, 1.0 - headroom),
+                "direct breaks the SLO: governed >= (1 - headroom) x direct",
+            ));
         }
-        // Past the envelope the governor holds the server at it: what it
-        // answers well is what the server answers well at 1x, less the
-        // headroom. Charging the chat as the 256x32 bucket would hold it
-        // at a third of the concurrency and fail here.
-        check(
-            gv >= (1.0 - headroom - 0.05) * direct_at_envelope,
-            "governed >= (1 - headroom - 0.05) x direct at 1x",
-        );
+        Decision::Undecided => {}
     }
+    // Past the envelope the governor holds the server at it: what it
+    // answers well is what the server answers well at 1x, less the
+    // headroom. Charging the chat as the 256x32 bucket would hold it at a
+    // third of the concurrency and fail here.
+    failed.extend(breached(
+        decided(direct_1x, governed_2x, 1.0 - headroom - 0.05),
+        "governed >= (1 - headroom - 0.05) x direct at 1x",
+    ));
+
+    // Far past it, 4x: one 30 s loop a side (straight at vLLM the chat
+    // collapses there: 0.09 to 0.14 answers/s inside the SLO, against
+    // about 1/s governed).
+    let direct_at_envelope = mean(direct_1x);
+    let (times, clients) = (4, safe * 4);
+    let direct = closed_loop(&server.base, clients, SECS, ask.clone());
+    let governed = closed_loop(&g.base, clients, SECS, ask.clone());
+    tally(&format!("vLLM direct, {times}x"), &direct, SECS);
+    assert_governed(&format!("vLLM governed, {times}x"), &governed, SECS, g);
+    let ((d, d95), (gv, g95)) = (goodput(&direct), goodput(&governed));
+    let line = format!(
+        "{times}x ({clients} clients, {SECS} s a side): direct {d:.2}/s (TTFT p95 {d95:.2} s, SLO {:?}), governed {gv:.2}/s (TTFT p95 {g95:.2} s, SLO {:?}), {:.2} of direct\n",
+        meets_the_slo(&direct),
+        meets_the_slo(&governed),
+        gv / d.max(1e-9)
+    );
+    eprint!("{line}");
+    table += &line;
+    let mut check = |ok: bool, rule: &str| {
+        if !ok {
+            failed.push(format!("{times}x: {rule}"));
+        }
+    };
+    match meets_the_slo(&direct) {
+        Decision::Holds => check(
+            gv >= (1.0 - headroom - 0.05) * d,
+            "direct meets the SLO: governed >= (1 - headroom - 0.05) x direct",
+        ),
+        Decision::Breached => {
+            // Decided by the same rule: one run here read 4.15 s on 36
+            // governed answers at 4x (two or three over), which no rule
+            // at 90% calls a breach; a governor that let the load through
+            // reads 10 s and is decided breached.
+            check(
+                meets_the_slo(&governed) != Decision::Breached,
+                "direct breaks the SLO: governed TTFT p95 not shown over it",
+            );
+            check(gv >= d, "direct breaks the SLO: governed >= direct");
+        }
+        Decision::Undecided => {}
+    }
+    check(
+        gv >= (1.0 - headroom - 0.05) * direct_at_envelope,
+        "governed >= (1 - headroom - 0.05) x direct at 1x",
+    );
     (table, failed)
 }
 
