@@ -12,7 +12,8 @@
 //! its own profile, ledger, queue, live guard and latency guard
 //! ([`crate::AppState`] per upstream).
 //!
-//! Layers: `config` <- `route`, `check`, `cost`, `cache`, `metrics` <-
+//! Layers: `config` <- `route`, `check`, `cost`, `cache`, `metrics`,
+//! `failure` (what a refusal or failed answer leads to) <-
 //! `live` (one version of the file, running) <- `shadow` <- `call` (the
 //! request path) <- `start` (start-up, reload, rollback, the HTTP app).
 
@@ -22,6 +23,7 @@ mod call;
 pub mod check;
 pub mod config;
 pub mod cost;
+mod failure;
 pub mod metrics;
 mod read_call;
 pub mod route;

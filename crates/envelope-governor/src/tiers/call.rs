@@ -7,8 +7,9 @@
 use super::book::{Outcome, Story, Tag};
 use super::cache::{cacheable, Cached, Key, CACHEABLE_HEADER};
 use super::check::{check, read_answer, AssembledAnswer, Expect, Usage};
-use super::config::{Check, OutOfTime, StreamMode};
+use super::config::{Check, StreamMode};
 use super::cost::NO_FEATURE;
+use super::failure::{next_move, which_stands, Failure, Lower, Move, Stands, Tried, Upper};
 use super::metrics::labels;
 use super::read_call::{upstream_failed, Call};
 use super::route::{body_signals, route};
@@ -46,18 +47,6 @@ struct Whole {
     answer: Option<AssembledAnswer>,
     placed_headers: path::Extra,
     cost: f64,
-}
-
-/// Refusals that say the call does not fit this tier's profile at all
-/// (another tier's may be larger).
-fn never_fits(e: &GovernError) -> bool {
-    matches!(
-        e,
-        GovernError::ContextLength { .. }
-            | GovernError::BeyondEnvelope { .. }
-            | GovernError::NeverFits { .. }
-            | GovernError::OutputTooLong { .. }
-    )
 }
 
 impl TierRouter {
@@ -99,10 +88,10 @@ impl TierRouter {
             match placed.await {
                 Ok(Some(p)) => return Ok(Some((up, p))),
                 Ok(None) => {}
-                // This upstream cannot count the prompt, or its profile is
-                // smaller than another's: the next one may take it.
-                Err(e) if upstream_failed(&e) || never_fits(&e) => last = Some(e),
-                Err(e) => return Err(e),
+                Err(e) => match next_move(Tried::Upstream, Failure::of(&e)) {
+                    Move::Refuse => return Err(e),
+                    Move::Next | Move::Above => last = Some(e),
+                },
             }
             if wait == Wait::UntilDeadline && last.is_none() {
                 break;
@@ -129,19 +118,18 @@ impl TierRouter {
         }
         let mut too_big: Option<GovernError> = None;
         for &t in &now {
+            let tried = Tried::TierNow {
+                start: t == start,
+                alone: now.len() == 1,
+            };
             match self.place_on(live, t, call, Wait::No).await {
                 Ok(Some((up, p))) => return Ok((t, up, p)),
                 Ok(None) => {}
-                Err(e) if never_fits(&e) => {
-                    if t == start {
-                        too_big = Some(e);
-                    }
-                }
-                // A tier whose upstream cannot even count the prompt has
-                // no room now; another may.
-                Err(e) if upstream_failed(&e) && t != start => {}
-                Err(e) if upstream_failed(&e) && now.len() > 1 => {}
-                Err(e) => return Err(e),
+                Err(e) => match next_move(tried, Failure::of(&e)) {
+                    Move::Next => {}
+                    Move::Above => too_big = Some(e),
+                    Move::Refuse => return Err(e),
+                },
             }
         }
         let mut waits: Vec<usize> = vec![start];
@@ -153,8 +141,10 @@ impl TierRouter {
             match self.place_on(live, t, call, Wait::UntilDeadline).await {
                 Ok(Some((up, p))) => return Ok((t, up, p)),
                 Ok(None) => {}
-                Err(e) if never_fits(&e) => last = Some(e),
-                Err(e) => return Err(e),
+                Err(e) => match next_move(Tried::TierWaiting, Failure::of(&e)) {
+                    Move::Refuse => return Err(e),
+                    Move::Next | Move::Above => last = Some(e),
+                },
             }
         }
         Err(last.unwrap_or_else(|| {
@@ -327,6 +317,9 @@ impl FrontDoor for TierRouter {
     }
 }
 
+/// One call, as named steps: read and route it, answer it from the cache,
+/// place it, answer it whole (escalating once when a check fails) or
+/// stream it, and book what happened.
 async fn serve_call(
     r: &Arc<TierRouter>,
     live: &Arc<Live>,
@@ -335,6 +328,128 @@ async fn serve_call(
     arrived: Instant,
     who: &Identity,
 ) -> Result<Response, GovernError> {
+    let (call, marked) = read_and_route(r, live, endpoint, req, arrived, who).await?;
+    let start = call.route.tier;
+    // The cache first: a hit takes no room on any upstream.
+    let cache = r
+        .cache()
+        .filter(|_| call.buffered && cacheable(call.inc.parsed.body(), marked))
+        .map(|c| (c, cache_key(live, &call)));
+    if let Some((c, key)) = &cache {
+        let hit = c.get(key);
+        let result = if hit.is_some() { "hit" } else { "miss" };
+        r.metrics
+            .cache
+            .get_or_create(&labels(&[("result", result)]))
+            .inc();
+        if let Some(hit) = hit {
+            return Ok(cached_answer(r, live, &call, hit));
+        }
+    }
+    let mut story = Story {
+        start,
+        reason: call.route.reason.clone(),
+        fell_back_from: None,
+        escalated: None,
+        escalation_failed: None,
+        cache: if cache.is_some() { "miss" } else { "off" },
+        cost: 0.0,
+    };
+    let (tier, up, placed) = match r.placement(live, &call, start).await {
+        Ok(x) => x,
+        Err(e) => {
+            let status = e.status().as_u16();
+            let rec = call.rec(None);
+            r.book_call(
+                live,
+                start,
+                &call.tag,
+                Outcome::Refused,
+                0.0,
+                &story,
+                status,
+                rec,
+            );
+            return Err(e);
+        }
+    };
+    story.fell_back_from = (tier != start).then_some(start);
+    if let Some(f) = story.fell_back_from {
+        r.book_fallback(live, f, tier);
+    }
+    if !call.buffered {
+        return super::stream::stream_through(r, live, &call, tier, up, placed, &mut story).await;
+    }
+    let (answered, failed) = r
+        .answer_whole(live, &call, tier, &up, placed, &mut story)
+        .await;
+    let w = match answered {
+        Ok(w) => w,
+        Err(e) => {
+            let status = e.status().as_u16();
+            let rec = call.rec(None);
+            r.book_call(
+                live,
+                start,
+                &call.tag,
+                Outcome::Error,
+                0.0,
+                &story,
+                status,
+                rec,
+            );
+            return Err(e);
+        }
+    };
+    book_answer(r, live, &call, &w, &story);
+    // Only an answer that passes the call's checks is kept for repeats.
+    if let Some((c, key)) = cache {
+        let passes = check(
+            &live.file.escalation.on,
+            &call.expect,
+            w.status.as_u16(),
+            w.answer.as_ref(),
+        )
+        .is_none();
+        if w.status.is_success() && passes && story.escalation_failed.is_none() {
+            // Under the starting tier, with the tier that answered: a
+            // repeat is answered as the first one finally was.
+            c.put(key, cached(live, &w));
+        }
+    }
+    if w.status.is_success()
+        && failed.is_none()
+        && w.tier + 1 < live.tiers.len()
+        && !call.route.pinned
+    {
+        if let Some(a) = &w.answer {
+            let (inc, who, tag) = (&call.inc, &call.who, &call.tag);
+            super::shadow::maybe(
+                r,
+                live,
+                inc,
+                who,
+                tag,
+                &story.reason,
+                &call.expect,
+                w.tier,
+                a,
+            );
+        }
+    }
+    Ok(respond(live, w, &story))
+}
+
+/// Reads the call (its headers once, its prompt counted once), routes it
+/// and counts the route; with whether the caller marked it cacheable.
+async fn read_and_route(
+    r: &TierRouter,
+    live: &Live,
+    endpoint: Endpoint,
+    req: Request,
+    arrived: Instant,
+    who: &Identity,
+) -> Result<(Call, bool), GovernError> {
     let base = live.tiers[0].upstreams[0].app.clone();
     let settings = base.gov.settings();
     let inc = path::read_request(&settings, endpoint, req, arrived, who.class).await?;
@@ -399,21 +514,22 @@ async fn serve_call(
         counted,
         counted_by,
     };
-    let start = call.route.tier;
-    // The cache first: a hit takes no room on any upstream.
-    let cache = r
-        .cache()
-        .filter(|_| call.buffered && cacheable(call.inc.parsed.body(), marked));
-    let key = cache.as_ref().map(|_| Key {
+    Ok((call, marked))
+}
+
+/// The cache's key for a call: its tenant, its starting tier and
+/// everything else that shapes the answer (the endpoint, the model, the
+/// upstreams serving it, the truncation rule), and the request.
+fn cache_key(live: &Live, call: &Call) -> Key {
+    let start = &live.tiers[call.route.tier];
+    Key {
         tenant: call.who.tenant.clone(),
-        tier: live.tiers[start].name.clone(),
-        // Everything else that shapes the answer: the endpoint, the
-        // model, the upstreams serving it, the truncation rule.
+        tier: start.name.clone(),
         model: format!(
             "{}|{}|{}|{}",
             call.inc.parsed.endpoint.label(),
-            live.tiers[start].upstreams[0].model_for(&call.inc.parsed),
-            live.tiers[start]
+            start.upstreams[0].model_for(&call.inc.parsed),
+            start
                 .upstreams
                 .iter()
                 .map(|u| u.spec.url.as_str())
@@ -422,179 +538,98 @@ async fn serve_call(
             call.expect.no_truncation
         ),
         request: call.inc.parsed.raw().clone(),
-    });
-    if let (Some(c), Some(k)) = (&cache, &key) {
-        if let Some(hit) = c.get(k) {
-            r.metrics
-                .cache
-                .get_or_create(&labels(&[("result", "hit")]))
-                .inc();
-            return Ok(cached_answer(r, live, &call, hit));
-        }
-        r.metrics
-            .cache
-            .get_or_create(&labels(&[("result", "miss")]))
-            .inc();
     }
-    let mut story = Story {
-        start,
-        reason: call.route.reason.clone(),
-        fell_back_from: None,
-        escalated: None,
-        escalation_failed: None,
-        cache: if cache.is_some() { "miss" } else { "off" },
-        cost: 0.0,
-    };
-    let (tier, up, placed) = match r.placement(live, &call, start).await {
-        Ok(x) => x,
-        Err(e) => {
-            let status = e.status().as_u16();
-            r.book_call(
-                live,
-                start,
-                &call.tag,
-                Outcome::Refused,
-                0.0,
-                &story,
-                status,
-                call.rec(None),
-            );
-            return Err(e);
-        }
-    };
-    let fell_back_from = (tier != start).then_some(start);
-    if let Some(f) = fell_back_from {
-        r.book_fallback(live, f, tier);
+}
+
+/// A whole answer as the cache keeps it, with the tier that gave it.
+fn cached(live: &Live, w: &Whole) -> Cached {
+    let content_type = w
+        .headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_string();
+    Cached {
+        content_type,
+        body: w.body.clone(),
+        tier: live.tiers[w.tier].name.clone(),
     }
-    story.fell_back_from = fell_back_from;
-    if !call.buffered {
-        return super::stream::stream_through(r, live, &call, tier, up, placed, &mut story).await;
-    }
-    let first = r.attempt(live, &call, tier, &up, placed).await;
-    story.cost += first.as_ref().map_or(0.0, |w| w.cost);
-    let failed = r.failed(live, &call, &first);
-    let up_one = tier + 1;
-    let outcome = match failed {
-        Some(check) if !call.route.pinned && up_one < live.tiers.len() => {
-            r.book_escalation(live, tier, &call.tag, check);
-            if let Some(c) = &call.conversation {
-                r.escalated.insert(c.clone(), ());
-            }
-            let second = match r.placement_up(live, &call, up_one).await {
-                Ok((up2, p2)) => r.attempt(live, &call, up_one, &up2, p2).await,
-                Err(e) => Err(e),
-            };
-            let lower_ok = first.as_ref().is_ok_and(|f| f.status.is_success());
-            let keep_lower = live.file.escalation.out_of_time == OutOfTime::LowerAnswer;
-            match second {
-                // The tier up failed outright: a usable lower answer stands.
-                Ok(w) if w.status.is_server_error() && lower_ok && keep_lower => {
-                    story.cost += w.cost;
-                    story.escalation_failed =
-                        Some(format!("upstream status {}", w.status.as_u16()));
-                    first
-                }
-                Ok(w) => {
-                    story.cost += w.cost;
-                    story.escalated = Some((check, tier));
-                    Ok(w)
-                }
-                Err(e) => match (live.file.escalation.out_of_time, first) {
-                    (OutOfTime::LowerAnswer, Ok(w)) => {
-                        story.escalation_failed = Some(e.reason().to_string());
-                        Ok(w)
-                    }
-                    _ => Err(e),
-                },
-            }
-        }
-        _ => first,
-    };
-    let w = match outcome {
-        Ok(w) => w,
-        Err(e) => {
-            r.book_call(
-                live,
-                start,
-                &call.tag,
-                Outcome::Error,
-                0.0,
-                &story,
-                e.status().as_u16(),
-                call.rec(None),
-            );
-            return Err(e);
-        }
-    };
+}
+
+/// Books an answered call under the tier that answered it.
+fn book_answer(r: &TierRouter, live: &Live, call: &Call, w: &Whole, story: &Story) {
     let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
     let outcome = if story.escalated.is_some() {
         Outcome::Escalated
     } else {
         Outcome::Ok
     };
-    r.book_call(
-        live,
-        w.tier,
-        &call.tag,
-        outcome,
-        ms,
-        &story,
-        w.status.as_u16(),
-        call.rec(Some((
-            w.answer.as_ref().map_or(0, |a| {
-                a.usage.map_or(a.events.saturating_sub(1), |u| u.completion)
-            }),
-            None,
-        ))),
-    );
-    // Only an answer that passes the call's checks is kept for repeats.
-    let passes = check(
-        &live.file.escalation.on,
-        &call.expect,
-        w.status.as_u16(),
-        w.answer.as_ref(),
-    )
-    .is_none();
-    if let (Some(c), Some(k)) = (&cache, key) {
-        if w.status.is_success() && passes && story.escalation_failed.is_none() {
-            let content_type = w
-                .headers
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("application/json")
-                .to_string();
-            // Under the starting tier, with the tier that answered: a
-            // repeat is answered as the first one finally was.
-            c.put(
-                k,
-                Cached {
-                    content_type,
-                    body: w.body.clone(),
-                    tier: live.tiers[w.tier].name.clone(),
-                },
-            );
+    let output = w.answer.as_ref().map_or(0, |a| {
+        a.usage.map_or(a.events.saturating_sub(1), |u| u.completion)
+    });
+    let (status, rec) = (w.status.as_u16(), call.rec(Some((output, None))));
+    r.book_call(live, w.tier, &call.tag, outcome, ms, story, status, rec);
+}
+
+impl TierRouter {
+    /// The placed call's whole answer: one attempt, and when its answer
+    /// fails a check escalation looks at (and the call is not pinned and
+    /// has a tier above), one more on the tier up; [`which_stands`] picks
+    /// the answer. With the check the first answer failed.
+    async fn answer_whole(
+        &self,
+        live: &Live,
+        call: &Call,
+        tier: usize,
+        up: &Upstream,
+        placed: Placed,
+        story: &mut Story,
+    ) -> (Result<Whole, GovernError>, Option<Check>) {
+        let first = self.attempt(live, call, tier, up, placed).await;
+        story.cost += first.as_ref().map_or(0.0, |w| w.cost);
+        let failed = self.failed(live, call, &first);
+        let up_one = tier + 1;
+        let Some(check) = failed.filter(|_| !call.route.pinned && up_one < live.tiers.len()) else {
+            return (first, failed);
+        };
+        self.book_escalation(live, tier, &call.tag, check);
+        if let Some(c) = &call.conversation {
+            self.escalated.insert(c.clone(), ());
         }
+        let second = match self.placement_up(live, call, up_one).await {
+            Ok((up2, p2)) => self.attempt(live, call, up_one, &up2, p2).await,
+            Err(e) => Err(e),
+        };
+        let upper = match &second {
+            Ok(w) if w.status.is_server_error() => Upper::ServerError,
+            Ok(_) => Upper::Answered,
+            Err(_) => Upper::Refused,
+        };
+        let lower = match &first {
+            Ok(w) if w.status.is_success() => Lower::Success,
+            Ok(_) => Lower::OtherStatus,
+            Err(_) => Lower::None,
+        };
+        story.cost += second.as_ref().map_or(0.0, |w| w.cost);
+        let answered = match (
+            which_stands(upper, lower, live.file.escalation.out_of_time),
+            second,
+        ) {
+            (Stands::Upper, Ok(w)) => {
+                story.escalated = Some((check, tier));
+                Ok(w)
+            }
+            (Stands::Lower, second) => {
+                story.escalation_failed = Some(match second {
+                    Ok(w) => format!("upstream status {}", w.status.as_u16()),
+                    Err(e) => e.reason().to_string(),
+                });
+                first
+            }
+            (_, second) => second,
+        };
+        (answered, failed)
     }
-    if w.status.is_success()
-        && failed.is_none()
-        && w.tier + 1 < live.tiers.len()
-        && !call.route.pinned
-    {
-        if let Some(a) = &w.answer {
-            super::shadow::maybe(
-                r,
-                live,
-                &call.inc,
-                &call.who,
-                &call.tag,
-                &story.reason,
-                &call.expect,
-                w.tier,
-                a,
-            );
-        }
-    }
-    Ok(respond(live, w, &story))
 }
 
 impl TierRouter {
