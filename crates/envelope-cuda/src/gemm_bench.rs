@@ -65,6 +65,66 @@ pub struct GemmPoint {
     pub error: Option<String>,
 }
 
+impl GemmPoint {
+    /// The columns of `gemm-bench.csv`.
+    pub const CSV_HEADER: [&'static str; 11] = [
+        "shape",
+        "dtype",
+        "path",
+        "rows",
+        "inner",
+        "out",
+        "calls",
+        "us_per_call",
+        "tflops",
+        "weight_gb_per_s",
+        "error",
+    ];
+
+    pub fn csv_row(&self) -> [String; 11] {
+        [
+            self.shape.to_string(),
+            self.dtype.to_string(),
+            self.path.to_string(),
+            self.rows.to_string(),
+            self.inner.to_string(),
+            self.out.to_string(),
+            self.calls.to_string(),
+            format!("{:.2}", self.us_per_call),
+            format!("{:.3}", self.tflops),
+            format!("{:.1}", self.weight_gb_per_s),
+            self.error.clone().unwrap_or_default(),
+        ]
+    }
+
+    /// The printed table's header, over [`GemmPoint::line`]s.
+    pub fn header_line() -> String {
+        format!(
+            "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11} {:>8} {:>9}",
+            "shape", "dtype", "path", "rows", "inner", "out", "us/call", "TFLOP/s", "W GB/s"
+        )
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "{:<8} {:<5} {:<8} {:>5} {:>6} {:>7} {:>11.1} {:>8.1} {:>9.0}{}",
+            self.shape,
+            self.dtype,
+            self.path,
+            self.rows,
+            self.inner,
+            self.out,
+            self.us_per_call,
+            self.tflops,
+            self.weight_gb_per_s,
+            self.error
+                .as_deref()
+                .map(|e| format!(" ERROR {e}"))
+                .unwrap_or_default()
+        )
+    }
+}
+
 /// Times every shape of `shapes` at every row count, in bf16
 /// and (where the device has fp8) fp8, on cuBLAS when it is loaded and on
 /// the kernels. Each point: two warm-up calls, then calls until 50 ms or 50

@@ -50,6 +50,7 @@ pub mod kernels;
 pub mod libs;
 pub mod memory;
 pub mod nvrtc;
+pub mod outputs;
 pub mod ptxgen;
 pub mod reference;
 pub mod rng;

@@ -80,6 +80,82 @@ pub struct Report {
 }
 
 impl Report {
+    /// The device, or why there is none: one line.
+    pub fn device_line(&self) -> Option<String> {
+        match (&self.device, &self.device_error) {
+            (Some(d), _) => Some(format!(
+                "device {}: {} (compute capability {}.{}, {} SMs, {:.1} GiB, driver CUDA {})",
+                d.ordinal,
+                d.name,
+                d.compute_capability.0,
+                d.compute_capability.1,
+                d.multiprocessors,
+                d.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                d.driver_cuda_version
+            )),
+            (None, Some(e)) => Some(format!("device: {e}")),
+            (None, None) => None,
+        }
+    }
+
+    /// Where the kernels came from, each compile and each case against
+    /// its CPU reference, and the count.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let error = |e: &Option<String>| {
+            e.as_deref()
+                .map(|e| format!(" ERROR {e}"))
+                .unwrap_or_default()
+        };
+        if let Some(e) = &self.emulated {
+            let _ = writeln!(o, "emulated: {e}");
+        }
+        let _ = writeln!(o, "kernels: {}", self.kernels.as_deref().unwrap_or("-"));
+        if let Some(e) = &self.kernels_error {
+            let _ = writeln!(o, "kernels unavailable: {e}");
+        }
+        let _ = writeln!(o, "cuBLAS: {}", self.cublas.as_deref().unwrap_or("-"));
+        for w in &self.warnings {
+            let _ = writeln!(o, "WARNING: {w}");
+        }
+        for c in &self.compile {
+            let _ = writeln!(
+                o,
+                "compile {:<22} {:>6.2} s {:>7} bytes{}{}",
+                c.file,
+                c.seconds,
+                c.ptx_bytes,
+                if c.from_cache { " (cache)" } else { "" },
+                error(&c.error)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "{:<6} {:<36} {:<5} {:>12} {:>10}  case",
+            "result", "entry", "dtype", "max_abs_err", "err/tol"
+        );
+        for c in &self.cases {
+            let _ = writeln!(
+                o,
+                "{:<6} {:<36} {:<5} {:>12.3e} {:>10.3}  {}{}{}",
+                if c.passed { "ok" } else { "FAIL" },
+                c.entry,
+                format!("{:?}", c.dtype).to_lowercase(),
+                c.max_abs_err,
+                c.max_err_over_tol,
+                c.case,
+                c.note
+                    .as_deref()
+                    .map(|n| format!(" ({n})"))
+                    .unwrap_or_default(),
+                error(&c.error)
+            );
+        }
+        let _ = writeln!(o, "{} passed, {} failed", self.passed, self.failed);
+        o
+    }
+
     pub fn ok(&self) -> bool {
         self.device.is_some()
             && self.kernels_error.is_none()

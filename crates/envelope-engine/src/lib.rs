@@ -9,6 +9,7 @@ pub mod chat;
 pub mod config;
 pub mod cuda;
 pub mod cuda_check;
+pub mod cuda_report;
 pub mod device;
 pub mod engine;
 pub mod error;
