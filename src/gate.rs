@@ -8,6 +8,7 @@ use clap::Args;
 use envelope_profile::gate::{gate, markdown, GateReport, GateRules, Verdict};
 use envelope_profile::Profile;
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 
 #[derive(Args, Debug)]
 pub struct GateArgs {
@@ -63,8 +64,8 @@ fn evaluate(args: &GateArgs) -> Result<GateReport> {
     Ok(gate(&a, &b, &rules))
 }
 
-/// Runs the gate and exits with its code; unreadable input is exit 2.
-pub fn run(args: &GateArgs) -> Result<()> {
+/// Runs the gate; its verdict is the exit code, unreadable input exit 2.
+pub fn run(args: &GateArgs) -> Result<ExitCode> {
     let code = match evaluate(args) {
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -90,8 +91,5 @@ pub fn run(args: &GateArgs) -> Result<()> {
             report.verdict.exit_code()
         }
     };
-    if code != 0 {
-        std::process::exit(code);
-    }
-    Ok(())
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }

@@ -1,6 +1,5 @@
 //! The `envelope` command line.
 
-mod bench;
 mod cli;
 mod cuda_selftest;
 mod gate;
@@ -15,11 +14,12 @@ use clap::Parser;
 use cli::{Cli, Command};
 use envelope_engine::{ChatMessage, EngineHandle, GenerateRequest, SamplingParams};
 use std::io::Write;
+use std::process::ExitCode;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn main() {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ENVELOPE_LOG")
@@ -28,32 +28,51 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    run(cli.command).unwrap_or_else(|e| {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
-    }
+        ExitCode::FAILURE
+    })
 }
 
-fn run(cli: Cli) -> Result<()> {
-    match cli.command {
-        Command::Serve(args) => serve(args),
+/// Runs one command: its exit code is 0 unless it states one (`plan
+/// --validate`, `gate`); an error is printed and exit 1.
+fn run(command: Command) -> Result<ExitCode> {
+    let done = |r: Result<()>| r.map(|()| ExitCode::SUCCESS);
+    match command {
+        Command::Serve(args) => done(serve(args)),
         Command::BenchEngine(args) => {
             let placement = args.engine.placement()?;
             args.engine.apply_threads();
-            let report = bench::run(&args, placement)?;
+            let plan = envelope_engine::bench::BenchPlan {
+                prompt_tokens: args.prompt_tokens,
+                decode_tokens: args.decode_tokens,
+                concurrency: args.concurrency.clone(),
+                decode_prompt_tokens: args.decode_prompt_tokens,
+            };
+            let machine = envelope_engine::bench::Machine {
+                threads: std::env::var("RAYON_NUM_THREADS")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(envelope_telemetry::host::logical_cores),
+                cpu: envelope_telemetry::host::cpu_model().unwrap_or_else(|| "unknown".into()),
+            };
+            let cfg = args.engine.engine_settings(placement)?;
+            let load = args.engine.load_options();
+            let model = &args.engine.model;
+            let report = envelope_engine::bench::run(model, &load, placement, cfg, &plan, machine)?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                bench::print_table(&report);
+                print!("{}", report.table());
             }
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
-        Command::Probe(args) => probe::run(&args),
+        Command::Probe(args) => done(probe::run(&args)),
         Command::Plan(args) => plan::run(&args),
         Command::Gate(args) => gate::run(&args),
-        Command::Quality(args) => quality::run(&args),
-        Command::Govern(args) => govern::run(*args),
-        Command::CudaSelftest(args) => cuda_selftest::run(&args),
+        Command::Quality(args) => done(quality::run(&args)),
+        Command::Govern(args) => done(govern::run(*args)),
+        Command::CudaSelftest(args) => done(cuda_selftest::run(&args)),
         Command::Report(args) => {
             let path = args.profile.display().to_string();
             let text = std::fs::read_to_string(&args.profile)
@@ -76,13 +95,13 @@ fn run(cli: Cli) -> Result<()> {
             envelope_harness::report::write_all(&profile, &dir)
                 .with_context(|| format!("writing reports into {}", dir.display()))?;
             println!("wrote {}/report.md, report.html and plots/", dir.display());
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
         Command::Sweep(args) => {
             if let Some(n) = args.threads {
                 std::env::set_var("RAYON_NUM_THREADS", n.to_string());
             }
-            sweep::run(&args)
+            done(sweep::run(&args))
         }
         Command::Generate(args) => {
             let placement = args.engine.placement()?;
@@ -117,7 +136,7 @@ fn run(cli: Cli) -> Result<()> {
             })?;
             println!("{}", out.text);
             std::io::stdout().flush()?;
-            Ok(())
+            Ok(ExitCode::SUCCESS)
         }
     }
 }
@@ -133,48 +152,7 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         &cfg,
     )
     .with_context(|| format!("loading --model {}", args.engine.model))?;
-    let info = handle.info.model.clone();
-    tracing::info!(
-        "loaded {} on {placement} in {:.1}s: {} parameters, weights {:.1} MiB ({})",
-        info.source,
-        info.load_seconds,
-        info.weights.num_parameters,
-        info.weights.total_bytes as f64 / 1048576.0,
-        info.weights.formats.join("+")
-    );
-    let name = args
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| info.name.clone());
-    let ei = &handle.info;
-    tracing::info!("backend: {}", ei.backend);
-    tracing::info!(
-        "KV cache: {} blocks x {} tokens = {} tokens, {:.1} MiB ({} bytes/token, {}); max model len {}",
-        ei.kv_blocks_total,
-        ei.block_size,
-        ei.kv_capacity_tokens,
-        ei.kv_pool_bytes as f64 / 1048576.0,
-        ei.kv_bytes_per_token,
-        ei.kv_dtype,
-        ei.max_model_len
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    rt.block_on(async move {
-        let addr = format!("{}:{}", args.host, args.port);
-        let listener = tokio::net::TcpListener::bind(&addr)
-            .await
-            .with_context(|| format!("binding --host/--port {addr}"))?;
-        let local = listener.local_addr()?;
-        tracing::info!("serving {name} on http://{local}");
-        // A line on stdout that scripts and tests wait for.
-        println!("envelope serve listening on http://{local}");
-        std::io::stdout().flush()?;
-        let state = envelope_server::AppState::new(handle.clone(), name);
-        envelope_server::serve(state, listener).await?;
-        handle.shutdown();
-        Ok(())
-    })
+    let addr = format!("{}:{}", args.host, args.port);
+    envelope_server::serve_blocking(handle, args.served_model_name.clone(), &addr)
+        .with_context(|| format!("serving on --host/--port {addr}"))
 }

@@ -5,11 +5,13 @@ mod tiers;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use envelope_profile::plan::{ClassDemand, ClassSupply, Plan};
+use envelope_profile::plan::render::render;
+use envelope_profile::plan::Plan;
 use envelope_profile::trace::{workload_from_trace, workload_toml, Trace};
 use envelope_profile::workload::Workload;
 use envelope_profile::Profile;
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
@@ -111,10 +113,12 @@ fn workload(args: &PlanArgs) -> Result<(Workload, String)> {
     Ok((Workload::from_toml(&wtext, &wpath)?, wpath))
 }
 
-pub fn run(args: &PlanArgs) -> Result<()> {
+/// The plan, printed; with `--validate`, exit status 1 when the replay
+/// found the plan optimistic.
+pub fn run(args: &PlanArgs) -> Result<ExitCode> {
     let (workload, wpath) = workload(args)?;
     if !args.tier.is_empty() {
-        return tiers::run(args, &workload, &wpath);
+        return tiers::run(args, &workload, &wpath).map(|()| ExitCode::SUCCESS);
     }
     let Some(profile_path) = &args.profile else {
         anyhow::bail!("--profile (or --tier) is required");
@@ -133,10 +137,15 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     } else {
         print!("{}", render(&plan, &wpath, &ppath));
     }
-    Ok(())
+    Ok(ExitCode::SUCCESS)
 }
 
-fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan) -> Result<()> {
+fn validate(
+    args: &PlanArgs,
+    workload: &Workload,
+    profile: &Profile,
+    plan: &Plan,
+) -> Result<ExitCode> {
     let target = args.target.clone().unwrap_or_default();
     if !(args.seconds > 0.0 && args.tolerance >= 0.0) {
         anyhow::bail!("--seconds must be > 0 and --tolerance >= 0");
@@ -163,412 +172,11 @@ fn validate(args: &PlanArgs, workload: &Workload, profile: &Profile, plan: &Plan
     if args.json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        println!(
-            "replayed `{}` at one replica's share of `{}` ({} replicas planned) for {:.0} s against {target}: {} requests, {} errors",
-            plan.workload, v.scenario, v.replicas, v.seconds, v.summary.requests, v.summary.errors
-        );
-        println!("| constraint | unit | demand planned | demand measured | utilisation planned | utilisation measured | verdict |");
-        println!("|---|---|---|---|---|---|---|");
-        for c in &v.checks {
-            println!(
-                "| {} | {} | {} | {} | {:.3} | {:.3} | {} |",
-                c.constraint,
-                c.unit,
-                f(c.demand_predicted),
-                f(c.demand_measured),
-                c.utilisation_predicted,
-                c.utilisation_measured,
-                if c.optimistic { "OPTIMISTIC" } else { "ok" }
-            );
-        }
-        println!(
-            "SLOs at the planned share: {} (TTFT p95 {:.0} ms, e2e p99 {:.0} ms)",
-            if v.slo_breaches.is_empty() {
-                "held".to_string()
-            } else {
-                format!("broken: {}", v.slo_breaches.join(", "))
-            },
-            v.summary.ttft_ms.p95,
-            v.summary.e2e_ms.p99
-        );
-        println!(
-            "plan {} (tolerance {:.0}% + the replay's sampling error {:.0}%, from {} requests)",
-            if v.optimistic {
-                "OPTIMISTIC"
-            } else {
-                "confirmed"
-            },
-            v.tolerance * 100.0,
-            v.sampling * 100.0,
-            v.summary.requests - v.summary.errors
-        );
+        print!("{}", v.table(plan, &target));
     }
-    if v.optimistic {
-        std::process::exit(1);
-    }
-    Ok(())
-}
-
-/// Thousands separators for the integer part: 3,359,232.
-fn grouped(v: f64, decimals: usize) -> String {
-    let s = format!("{:.decimals$}", v.abs());
-    let (int, frac) = s.split_once('.').map_or((s.as_str(), ""), |(i, f)| (i, f));
-    let mut out = String::new();
-    for (i, c) in int.chars().enumerate() {
-        if i > 0 && (int.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    if !frac.is_empty() {
-        out.push('.');
-        out.push_str(frac);
-    }
-    if v < 0.0 {
-        out.insert(0, '-');
-    }
-    out
-}
-
-fn f(v: f64) -> String {
-    if v == v.trunc() && v.abs() < 1e15 {
-        grouped(v, 0)
-    } else if v.abs() >= 1000.0 {
-        grouped(v, 1)
-    } else if v.abs() >= 1.0 {
-        format!("{v:.3}")
+    Ok(if v.optimistic {
+        ExitCode::FAILURE
     } else {
-        format!("{v:.4}")
-    }
-}
-
-/// Rows of (field, unit, one value per class).
-fn grid(out: &mut String, title: &str, classes: &[String], rows: &[(String, &str, Vec<String>)]) {
-    out.push_str(&format!("\n{title}\n"));
-    let mut widths = vec![
-        rows.iter().map(|r| r.0.len()).max().unwrap_or(5).max(5),
-        rows.iter().map(|r| r.1.len()).max().unwrap_or(4).max(4),
-    ];
-    for (i, c) in classes.iter().enumerate() {
-        widths.push(
-            rows.iter()
-                .map(|r| r.2[i].len())
-                .chain([c.len()])
-                .max()
-                .unwrap_or(1),
-        );
-    }
-    let line = |cells: Vec<&str>| {
-        let mut s = String::from("  ");
-        for (i, c) in cells.iter().enumerate() {
-            if i < 2 {
-                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
-            } else {
-                s.push_str(&format!("{c:>w$}  ", w = widths[i]));
-            }
-        }
-        s.trim_end().to_string() + "\n"
-    };
-    let mut head = vec!["field", "unit"];
-    head.extend(classes.iter().map(String::as_str));
-    out.push_str(&line(head));
-    for (name, unit, vals) in rows {
-        let mut cells = vec![name.as_str(), *unit];
-        cells.extend(vals.iter().map(String::as_str));
-        out.push_str(&line(cells));
-    }
-}
-
-fn demand_rows(d: &[ClassDemand]) -> Vec<(String, &'static str, Vec<String>)> {
-    let col = |g: &dyn Fn(&ClassDemand) -> String| d.iter().map(g).collect::<Vec<_>>();
-    let mut rows: Vec<(String, &'static str, Vec<String>)> = vec![
-        (
-            "runs_per_min".into(),
-            "runs/min",
-            col(&|x| f(x.runs_per_min)),
-        ),
-        (
-            "runs_per_min_p95".into(),
-            "runs/min",
-            col(&|x| f(x.runs_per_min_p95)),
-        ),
-        (
-            "model_calls_per_run".into(),
-            "calls/run",
-            col(&|x| f(x.model_calls_per_run)),
-        ),
-        (
-            "retry_amplification".into(),
-            "x",
-            col(&|x| f(x.retry_amplification)),
-        ),
-        (
-            "fallback_amplification".into(),
-            "x",
-            col(&|x| f(x.fallback_amplification)),
-        ),
-        (
-            "amplification (retry x fallback)".into(),
-            "x",
-            col(&|x| f(x.amplification)),
-        ),
-        (
-            "model_requests_per_min".into(),
-            "req/min",
-            col(&|x| f(x.model_requests_per_min)),
-        ),
-        (
-            "model_requests_per_min_p95".into(),
-            "req/min",
-            col(&|x| f(x.model_requests_per_min_p95)),
-        ),
-        (
-            "input_tokens_per_request p50/p95".into(),
-            "tokens",
-            col(&|x| {
-                format!(
-                    "{}/{}",
-                    f(x.input_tokens_per_request_p50),
-                    f(x.input_tokens_per_request_p95)
-                )
-            }),
-        ),
-        (
-            "input_tokens_per_request_mean".into(),
-            "tokens",
-            col(&|x| f(x.input_tokens_per_request_mean)),
-        ),
-        (
-            "output_tokens_per_request p50/p95".into(),
-            "tokens",
-            col(&|x| {
-                format!(
-                    "{}/{}",
-                    f(x.output_tokens_per_request_p50),
-                    f(x.output_tokens_per_request_p95)
-                )
-            }),
-        ),
-        (
-            "output_tokens_per_request_mean".into(),
-            "tokens",
-            col(&|x| f(x.output_tokens_per_request_mean)),
-        ),
-        (
-            "input_tokens_per_min (req x mean)".into(),
-            "tokens/min",
-            col(&|x| f(x.input_tokens_per_min)),
-        ),
-        (
-            "output_tokens_per_min (req x mean)".into(),
-            "tokens/min",
-            col(&|x| f(x.output_tokens_per_min)),
-        ),
-        (
-            "concurrency_basis".into(),
-            "",
-            col(&|x| x.concurrency_basis.as_str().to_string()),
-        ),
-        (
-            "arrivals_per_s mean".into(),
-            "1/s",
-            col(&|x| f(x.arrivals_per_s_mean)),
-        ),
-        (
-            "arrivals_per_s p95".into(),
-            "1/s",
-            col(&|x| f(x.arrivals_per_s_p95)),
-        ),
-        (
-            "time_in_system_s mean".into(),
-            "s",
-            col(&|x| f(x.time_in_system_s_mean)),
-        ),
-        (
-            "time_in_system_s p95".into(),
-            "s",
-            col(&|x| f(x.time_in_system_s_p95)),
-        ),
-        (
-            "in flight, Little's law (mean x mean)".into(),
-            "slots",
-            col(&|x| f(x.in_flight_littles_law)),
-        ),
-        (
-            "peak-scenario slots (p95 x p95)".into(),
-            "slots",
-            col(&|x| f(x.peak_scenario_slots)),
-        ),
-        ("reserve factor".into(), "x", col(&|x| f(x.reserve_factor))),
-        (
-            "provisioned slots (peak x reserves)".into(),
-            "slots",
-            col(&|x| f(x.provisioned_slots)),
-        ),
-        (
-            "kv_tokens_per_request (p95 in + out)".into(),
-            "tokens",
-            col(&|x| f(x.kv_tokens_per_request_p95)),
-        ),
-    ];
-    let mut deps: Vec<&String> = d
-        .iter()
-        .flat_map(|x| x.dependencies_per_min.keys())
-        .collect();
-    deps.sort();
-    deps.dedup();
-    for k in deps {
-        rows.push((
-            format!("{k}_per_min"),
-            "1/min",
-            col(&|x| {
-                x.dependencies_per_min
-                    .get(k)
-                    .map(|v| f(*v))
-                    .unwrap_or_else(|| "-".into())
-            }),
-        ));
-    }
-    rows
-}
-
-fn supply_rows(s: &[ClassSupply]) -> Vec<(String, &'static str, Vec<String>)> {
-    let col = |g: &dyn Fn(&ClassSupply) -> String| s.iter().map(g).collect::<Vec<_>>();
-    vec![
-        (
-            "bucket (input x output)".into(),
-            "tokens",
-            col(&|x| format!("{}x{}", x.bucket_input_tokens, x.bucket_output_tokens)),
-        ),
-        (
-            "bucket covers p95".into(),
-            "",
-            col(&|x| {
-                if x.bucket_covers_p95 {
-                    "yes".into()
-                } else {
-                    "NO".into()
-                }
-            }),
-        ),
-        (
-            "safe_concurrency_per_replica".into(),
-            "slots",
-            col(&|x| f(x.safe_concurrency_per_replica)),
-        ),
-        (
-            "prefill_tok_per_s_per_replica".into(),
-            "tok/s",
-            col(&|x| f(x.prefill_tok_per_s_per_replica)),
-        ),
-        (
-            "decode_tok_per_s_per_replica".into(),
-            "tok/s",
-            col(&|x| f(x.decode_tok_per_s_per_replica)),
-        ),
-        (
-            "output_tok_per_s_per_replica".into(),
-            "tok/s",
-            col(&|x| f(x.output_tok_per_s_per_replica)),
-        ),
-        (
-            "e2e at the safe point mean/p95".into(),
-            "s",
-            col(&|x| format!("{}/{}", f(x.e2e_s_mean), f(x.e2e_s_p95))),
-        ),
-        (
-            "kv_tokens_per_replica".into(),
-            "tokens",
-            col(&|x| f(x.kv_tokens_per_replica)),
-        ),
-    ]
-}
-
-/// The plan as text tables with units.
-pub fn render(p: &Plan, workload: &str, profile: &str) -> String {
-    let mut o = String::new();
-    o.push_str(&format!(
-        "envelope plan: workload `{}` ({workload}) on `{}` ({profile})\n",
-        p.workload, p.config
-    ));
-    let r = &p.reserves;
-    o.push_str(&format!(
-        "reserves: 1 + burst {} + operational {} + failover {} = x{}\n",
-        f(r.burst),
-        f(r.operational),
-        f(r.failover),
-        f(r.factor)
-    ));
-    let s = &p.scenario_factors;
-    o.push_str(&format!(
-        "scenario factors: failover traffic x{}, failover retries x{}, recovery backlog x{}\n",
-        f(s.failover_traffic_factor),
-        f(s.failover_retry_amplification),
-        f(s.recovery_backlog_factor)
-    ));
-    let classes: Vec<String> = p.demand.iter().map(|d| d.class.clone()).collect();
-    grid(
-        &mut o,
-        "Demand per class",
-        &classes,
-        &demand_rows(&p.demand),
-    );
-    grid(
-        &mut o,
-        "Supply per replica (profile)",
-        &classes,
-        &supply_rows(&p.supply),
-    );
-    for (c, x) in p.supply.iter().zip(&p.demand) {
-        o.push_str(&format!(
-            "  {}: throughput from the {}; time in system from {}\n",
-            c.class, c.supply_probe, x.time_in_system_source
-        ));
-    }
-    for sc in &p.scenarios {
-        o.push_str(&format!(
-            "\nScenario {}: {}\n  {:<18} {:>14} {:<7} {:>16} {:>9} {:>12}\n",
-            sc.scenario,
-            sc.description,
-            "constraint",
-            "demand",
-            "unit",
-            "replicas (exact)",
-            "replicas",
-            "utilisation"
-        ));
-        for c in &sc.constraints {
-            o.push_str(&format!(
-                "  {:<18} {:>14} {:<7} {:>16} {:>9} {:>11.1}%\n",
-                c.constraint.as_str(),
-                f(c.demand),
-                c.unit,
-                format!("{:.3}", c.replicas_exact),
-                c.replicas_needed,
-                c.utilisation * 100.0
-            ));
-        }
-        for l in &sc.loads {
-            o.push_str(&format!(
-                "    {}: {} req/s, {} input tok/s, {} output tok/s, {} slots ({}), {} KV tokens\n",
-                l.class,
-                f(l.model_requests_per_s),
-                f(l.input_tokens_per_s),
-                f(l.output_tokens_per_s),
-                f(l.slots),
-                l.slots_basis,
-                f(l.kv_tokens)
-            ));
-        }
-        o.push_str(&format!(
-            "  => {} replicas; binding: {}; next: {}\n",
-            sc.replicas,
-            sc.binding.as_str(),
-            sc.next.map(|n| n.as_str()).unwrap_or("-")
-        ));
-    }
-    for w in &p.warnings {
-        o.push_str(&format!("\nwarning: {w}\n"));
-    }
-    o
+        ExitCode::SUCCESS
+    })
 }

@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use envelope_engine::{KvDtype, Precision};
 use envelope_harness::quality::{measure, QualityOptions};
-use envelope_profile::{Profile, QualityReport};
+use envelope_profile::Profile;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -108,45 +108,7 @@ pub fn run(args: &QualityArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&q)?);
     } else {
-        print_table(&q);
+        print!("{}", q.table());
     }
     Ok(())
-}
-
-fn opt(v: Option<f64>, digits: usize) -> String {
-    v.map(|v| format!("{v:.digits$}"))
-        .unwrap_or_else(|| "-".into())
-}
-
-fn print_table(q: &QualityReport) {
-    println!(
-        "quality of {} at {} against {} on {} ({} bytes)",
-        q.model,
-        q.precision,
-        q.reference_precision.as_deref().unwrap_or("no reference"),
-        q.text_set,
-        q.text_bytes
-    );
-    let rows = [
-        (
-            "windows x tokens",
-            format!("{} x {}", q.windows, q.window_tokens),
-            "",
-        ),
-        ("tokens scored", q.tokens_scored.to_string(), "tokens"),
-        ("perplexity", format!("{:.4}", q.perplexity), ""),
-        ("mean NLL", format!("{:.5}", q.mean_nll_nats), "nats/token"),
-        ("reference perplexity", opt(q.reference_perplexity, 4), ""),
-        (
-            "KL(reference || measured) mean",
-            opt(q.kl_divergence_mean, 6),
-            "nats",
-        ),
-        ("KL p95", opt(q.kl_divergence_p95, 6), "nats"),
-        ("top-1 agreement", opt(q.top1_agreement, 4), "fraction"),
-        ("time", format!("{:.1}", q.duration_s), "s"),
-    ];
-    for (k, v, u) in rows {
-        println!("  {k:<32} {v:>14} {u}");
-    }
 }

@@ -2,8 +2,9 @@
 //! share of its model requests each tier serves, each part planned with
 //! its tier's profile, and replicas per tier side by side.
 
-use super::{render, PlanArgs};
+use super::PlanArgs;
 use anyhow::{Context, Result};
+use envelope_profile::plan::render::render;
 use envelope_profile::plan::tiers::{mix_from_trace, tier_workload, tiers_named};
 use envelope_profile::trace::Trace;
 use envelope_profile::workload::Workload;

@@ -5,6 +5,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod cuda;

@@ -66,7 +66,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         .iter()
         .map(|b| format!("{} safe at {}", b.label(), b.safe_concurrency))
         .collect();
-    tracing::info!("envelope per bucket (each sequence charged 1 / safe concurrency of the smallest bucket covering prompt + max_tokens): {}", table.join(", "));
+    tracing::info!("envelope per bucket (a sequence is charged 1 / safe concurrency, on the straight line in prompt + max_tokens between the buckets around it): {}", table.join(", "));
     let lat = &settings.latency;
     let least_safe = l
         .buckets

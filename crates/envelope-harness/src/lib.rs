@@ -9,6 +9,7 @@ pub mod agents;
 pub mod check;
 pub mod config;
 pub mod driver;
+pub mod identity;
 pub mod launch;
 pub mod load;
 pub mod plots;

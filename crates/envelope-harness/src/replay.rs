@@ -71,6 +71,61 @@ pub struct Validation {
     pub optimistic: bool,
 }
 
+impl Validation {
+    /// The replay against the plan as text: what was replayed, a row per
+    /// constraint (planned and measured), the SLOs at the share and the
+    /// verdict.
+    pub fn table(&self, plan: &Plan, target: &str) -> String {
+        use envelope_profile::plan::render::f;
+        use std::fmt::Write;
+        let mut o = String::new();
+        let s = &self.summary;
+        let _ = writeln!(
+            o,
+            "replayed `{}` at one replica's share of `{}` ({} replicas planned) for {:.0} s against {target}: {} requests, {} errors",
+            plan.workload, self.scenario, self.replicas, self.seconds, s.requests, s.errors
+        );
+        o.push_str("| constraint | unit | demand planned | demand measured | utilisation planned | utilisation measured | verdict |\n");
+        o.push_str("|---|---|---|---|---|---|---|\n");
+        for c in &self.checks {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {} | {:.3} | {:.3} | {} |",
+                c.constraint,
+                c.unit,
+                f(c.demand_predicted),
+                f(c.demand_measured),
+                c.utilisation_predicted,
+                c.utilisation_measured,
+                if c.optimistic { "OPTIMISTIC" } else { "ok" }
+            );
+        }
+        let slos = if self.slo_breaches.is_empty() {
+            "held".to_string()
+        } else {
+            format!("broken: {}", self.slo_breaches.join(", "))
+        };
+        let _ = writeln!(
+            o,
+            "SLOs at the planned share: {slos} (TTFT p95 {:.0} ms, e2e p99 {:.0} ms)",
+            s.ttft_ms.p95, s.e2e_ms.p99
+        );
+        let _ = writeln!(
+            o,
+            "plan {} (tolerance {:.0}% + the replay's sampling error {:.0}%, from {} requests)",
+            if self.optimistic {
+                "OPTIMISTIC"
+            } else {
+                "confirmed"
+            },
+            self.tolerance * 100.0,
+            self.sampling * 100.0,
+            s.requests - s.errors
+        );
+        o
+    }
+}
+
 /// The workload at one replica's share of `scenario`: each class's run rate
 /// (mean, or p95 for `planned_peak`) divided by the scenario's replicas.
 fn share(workload: &Workload, scenario: &str, replicas: u64) -> Result<Workload, String> {

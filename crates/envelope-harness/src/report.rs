@@ -1,6 +1,8 @@
 //! The reports a person reads first: `report.md` and `report.html`, made
 //! from the profile alone (so they can be regenerated from a committed one).
 
+pub mod summary;
+
 use envelope_profile::{ConfigResult, Profile};
 use std::collections::BTreeMap;
 

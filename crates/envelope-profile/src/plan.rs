@@ -616,6 +616,7 @@ pub fn plan(
     })
 }
 
+pub mod render;
 pub mod tiers;
 
 #[cfg(test)]

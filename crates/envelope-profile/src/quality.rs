@@ -34,3 +34,50 @@ pub struct QualityReport {
     pub top1_agreement: Option<f64>,
     pub duration_s: f64,
 }
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|v| format!("{v:.digits$}"))
+        .unwrap_or_else(|| "-".into())
+}
+
+impl QualityReport {
+    /// The report as `envelope quality` prints it: a row per figure, with
+    /// its unit.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let q = self;
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "quality of {} at {} against {} on {} ({} bytes)",
+            q.model,
+            q.precision,
+            q.reference_precision.as_deref().unwrap_or("no reference"),
+            q.text_set,
+            q.text_bytes
+        );
+        let rows = [
+            (
+                "windows x tokens",
+                format!("{} x {}", q.windows, q.window_tokens),
+                "",
+            ),
+            ("tokens scored", q.tokens_scored.to_string(), "tokens"),
+            ("perplexity", format!("{:.4}", q.perplexity), ""),
+            ("mean NLL", format!("{:.5}", q.mean_nll_nats), "nats/token"),
+            ("reference perplexity", opt(q.reference_perplexity, 4), ""),
+            (
+                "KL(reference || measured) mean",
+                opt(q.kl_divergence_mean, 6),
+                "nats",
+            ),
+            ("KL p95", opt(q.kl_divergence_p95, 6), "nats"),
+            ("top-1 agreement", opt(q.top1_agreement, 4), "fraction"),
+            ("time", format!("{:.1}", q.duration_s), "s"),
+        ];
+        for (k, v, u) in rows {
+            let _ = writeln!(o, "  {k:<32} {v:>14} {u}");
+        }
+        o
+    }
+}

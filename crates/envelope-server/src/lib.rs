@@ -522,6 +522,55 @@ fn async_stream(
     })
 }
 
+/// `envelope serve`: logs what `handle` loaded, binds `addr`, prints the
+/// line scripts and tests wait for (`envelope serve listening on
+/// http://ADDR`) and serves `name` (else the model's own name) on two
+/// worker threads until SIGTERM or Ctrl-C; then shuts the engine down.
+pub fn serve_blocking(
+    handle: EngineHandle,
+    name: Option<String>,
+    addr: &str,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let info = handle.info.model.clone();
+    tracing::info!(
+        "loaded {} in {:.1}s: {} parameters, weights {:.1} MiB ({})",
+        info.source,
+        info.load_seconds,
+        info.weights.num_parameters,
+        info.weights.total_bytes as f64 / 1048576.0,
+        info.weights.formats.join("+")
+    );
+    let name = name.unwrap_or_else(|| info.name.clone());
+    let ei = &handle.info;
+    tracing::info!("backend: {}", ei.backend);
+    tracing::info!(
+        "KV cache: {} blocks x {} tokens = {} tokens, {:.1} MiB ({} bytes/token, {}); max model len {}",
+        ei.kv_blocks_total,
+        ei.block_size,
+        ei.kv_capacity_tokens,
+        ei.kv_pool_bytes as f64 / 1048576.0,
+        ei.kv_bytes_per_token,
+        ei.kv_dtype,
+        ei.max_model_len
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        tracing::info!("serving {name} on http://{local}");
+        println!("envelope serve listening on http://{local}");
+        std::io::stdout().flush()?;
+        let state = AppState::new(handle.clone(), name);
+        serve(state, listener).await?;
+        handle.shutdown();
+        Ok(())
+    })
+}
+
 /// Serves until SIGTERM or Ctrl-C, then stops accepting and lets in-flight
 /// requests finish.
 pub async fn serve(state: Arc<AppState>, listener: tokio::net::TcpListener) -> std::io::Result<()> {

@@ -10,6 +10,7 @@ pub mod engine_state;
 pub mod fingerprint;
 pub mod gpu;
 pub mod host;
+pub mod node_text;
 pub mod sampler;
 
 pub use engine_state::{
