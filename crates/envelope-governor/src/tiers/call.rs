@@ -357,21 +357,7 @@ async fn serve_call(
     };
     let (tier, up, placed) = match r.placement(live, &call, start).await {
         Ok(x) => x,
-        Err(e) => {
-            let status = e.status().as_u16();
-            let rec = call.rec(None);
-            r.book_call(
-                live,
-                start,
-                &call.tag,
-                Outcome::Refused,
-                0.0,
-                &story,
-                status,
-                rec,
-            );
-            return Err(e);
-        }
+        Err(e) => return Err(book_unanswered(r, live, &call, Outcome::Refused, &story, e)),
     };
     story.fell_back_from = (tier != start).then_some(start);
     if let Some(f) = story.fell_back_from {
@@ -385,21 +371,7 @@ async fn serve_call(
         .await;
     let w = match answered {
         Ok(w) => w,
-        Err(e) => {
-            let status = e.status().as_u16();
-            let rec = call.rec(None);
-            r.book_call(
-                live,
-                start,
-                &call.tag,
-                Outcome::Error,
-                0.0,
-                &story,
-                status,
-                rec,
-            );
-            return Err(e);
-        }
+        Err(e) => return Err(book_unanswered(r, live, &call, Outcome::Error, &story, e)),
     };
     book_answer(r, live, &call, &w, &story);
     // Only an answer that passes the call's checks is kept for repeats.
@@ -556,6 +528,30 @@ fn cached(live: &Live, w: &Whole) -> Cached {
     }
 }
 
+/// Books a call that got no answer (refused, or failed) under its
+/// starting tier; the error goes on to the caller.
+fn book_unanswered(
+    r: &TierRouter,
+    live: &Live,
+    call: &Call,
+    outcome: Outcome,
+    story: &Story,
+    e: GovernError,
+) -> GovernError {
+    let (status, rec) = (e.status().as_u16(), call.rec(None));
+    r.book_call(
+        live,
+        story.start,
+        &call.tag,
+        outcome,
+        0.0,
+        story,
+        status,
+        rec,
+    );
+    e
+}
+
 /// Books an answered call under the tier that answered it.
 fn book_answer(r: &TierRouter, live: &Live, call: &Call, w: &Whole, story: &Story) {
     let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
@@ -669,12 +665,13 @@ fn cached_answer(r: &TierRouter, live: &Live, call: &Call, hit: Cached) -> Respo
         cost: 0.0,
     };
     let ms = call.inc.arrived.elapsed().as_secs_f64() * 1000.0;
-    // The answer's own `usage` (read only when recording).
+    // The answer's own `usage` (read only when recording), by the one
+    // reader of answers.
     let output = call.draft.as_ref().map_or(0, |_| {
-        serde_json::from_slice::<serde_json::Value>(&hit.body)
-            .ok()
-            .and_then(|v| v["usage"]["completion_tokens"].as_u64())
-            .unwrap_or(0)
+        let sse = hit.content_type.starts_with("text/event-stream");
+        read_answer(&hit.body, sse)
+            .and_then(|a| a.usage)
+            .map_or(0, |u| u.completion)
     });
     r.book_call(
         live,
