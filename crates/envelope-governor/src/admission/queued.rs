@@ -67,8 +67,9 @@ impl Governor {
                         reason,
                         ra,
                         format!(
-                            "waited {} ms in the admission queue: {why}",
-                            now.elapsed().as_millis()
+                            "waited {} ms in the admission queue (it could wait {} ms): {why}",
+                            now.elapsed().as_millis(),
+                            wait_until.saturating_duration_since(now).as_millis()
                         ),
                     ))
                 } else {
