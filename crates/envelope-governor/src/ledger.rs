@@ -260,16 +260,6 @@ impl Ledger {
         (0..RESOURCES).all(|r| d.get(r) <= cap.get(r) && d.get(r) <= self.burst_limit(cap, s, r))
     }
 
-    /// Whether `d` could fit on an idle node at the profile's capacity.
-    pub fn fits_ever(&self, tenant: &str, d: Demand) -> bool {
-        self.fits_idle(&self.full, self.tenant(tenant).0, d)
-    }
-
-    /// Whether `d` could fit on an idle node at the current capacity.
-    pub fn fits_now_idle(&self, tenant: &str, d: Demand) -> bool {
-        self.fits_idle(&self.cap, self.tenant(tenant).0, d)
-    }
-
     /// Whether `d` fits now, and why not.
     pub fn check(&self, tenant: &str, d: Demand) -> Result<(), Refusal> {
         let (share, mine) = self.tenant(tenant);
@@ -430,13 +420,12 @@ mod tests {
     #[test]
     fn never_fits_is_distinguished_from_busy() {
         let l = open(d(4, 100));
-        assert!(!l.fits_ever("x", d(1, 101)));
         assert_eq!(l.check("x", d(1, 101)), Err(Refusal::NeverFits));
-        assert!(l.fits_ever("x", d(4, 100)));
+        assert_eq!(l.check("x", d(4, 100)), Ok(()));
         // Over the burst ceiling of the default share is never-fits too.
         let l = shared();
-        assert!(!l.fits_ever("stranger", d(1, 251)));
-        assert!(l.fits_ever("stranger", d(1, 250)));
+        assert_eq!(l.check("stranger", d(1, 251)), Err(Refusal::NeverFits));
+        assert_ne!(l.check("stranger", d(1, 250)), Err(Refusal::NeverFits));
     }
 
     #[test]
