@@ -4,11 +4,12 @@
 //! profile and the overrides into [`Settings`].
 
 use crate::error::StartError;
-use crate::{live_guard, Beyond, LadderSettings, OverBudget, OverLimit, Settings, TenantsFile};
+use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 use clap::Args;
 use envelope_profile::{Limits, Profile};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 /// A file a setting names, or an error naming the setting and the file.
 pub(crate) fn read(what: &'static str, path: &Path) -> Result<String, StartError> {
@@ -54,7 +55,7 @@ impl ProfileFile {
 }
 
 /// How prompt tokens are counted without `--tokenizer`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenCount {
     /// The upstream's `/tokenize` if it answers at start, else the estimate.
@@ -67,7 +68,7 @@ pub enum TokenCount {
 
 /// What to do when the profile's fingerprint does not match the node or
 /// the upstream's model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum OnMismatch {
     /// Do not start.
@@ -80,7 +81,7 @@ pub enum OnMismatch {
 
 /// One struct for flags and the TOML config (mistral.rs does the same);
 /// a flag wins over the file, the file over the default.
-#[derive(Args, Debug, Clone, Default, Deserialize)]
+#[derive(Args, Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GovernArgs {
     /// A TOML file with any of these fields (snake_case names).
@@ -254,8 +255,98 @@ pub struct GovernArgs {
     pub engine_metrics_interval_ms: Option<u64>,
 }
 
-macro_rules! merge {
-    ($a:ident, $b:ident, $($f:ident),*) => { $( if $a.$f.is_none() { $a.$f = $b.$f.clone(); } )* };
+/// What an unset flag or config field of `envelope govern` means, for the
+/// settings the start-up reads (the request path's settings keep theirs in
+/// [`Settings::new`], the guard's in `LadderSettings::default` and the
+/// latency guard's in `LatencySettings::default`). The one place these
+/// defaults are written; `--help` states them.
+pub struct StartDefaults {
+    pub listen: &'static str,
+    pub worker_threads: usize,
+    pub guard: bool,
+    pub guard_interval_ms: u64,
+    pub drain_timeout_ms: u64,
+    pub budget_store_timeout_ms: u64,
+    pub engine_metrics: bool,
+    pub engine_metrics_interval_ms: u64,
+    pub token_count: TokenCount,
+    pub estimate_bytes_per_token: f64,
+    pub on_mismatch: OnMismatch,
+    pub record_max_mib: u64,
+    pub record_keep: u32,
+    pub record_queue: usize,
+}
+
+pub const START_DEFAULTS: StartDefaults = StartDefaults {
+    listen: "127.0.0.1:9000",
+    worker_threads: 1,
+    guard: true,
+    guard_interval_ms: 1000,
+    drain_timeout_ms: 30_000,
+    budget_store_timeout_ms: 50,
+    engine_metrics: false,
+    engine_metrics_interval_ms: 50,
+    token_count: TokenCount::Auto,
+    estimate_bytes_per_token: crate::tokens::BOUND_BYTES_PER_TOKEN,
+    on_mismatch: OnMismatch::Conservative,
+    record_max_mib: 256,
+    record_keep: 4,
+    record_queue: 65_536,
+};
+
+/// Each start-up setting as set, else its [`START_DEFAULTS`] value.
+impl GovernArgs {
+    pub fn listen(&self) -> String {
+        let d = START_DEFAULTS.listen;
+        self.listen.clone().unwrap_or_else(|| d.to_string())
+    }
+
+    pub fn guard(&self) -> bool {
+        self.guard.unwrap_or(START_DEFAULTS.guard)
+    }
+
+    pub fn guard_interval(&self) -> Duration {
+        let ms = self.guard_interval_ms;
+        Duration::from_millis(ms.unwrap_or(START_DEFAULTS.guard_interval_ms))
+    }
+
+    /// The upstream's metrics: `--guard-metrics-url`, else its `/metrics`.
+    pub fn guard_metrics_url(&self, upstream: &str) -> String {
+        let url = self.guard_metrics_url.clone();
+        url.unwrap_or_else(|| format!("{upstream}/metrics"))
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        let ms = self.drain_timeout_ms;
+        Duration::from_millis(ms.unwrap_or(START_DEFAULTS.drain_timeout_ms))
+    }
+
+    pub fn budget_store_timeout(&self) -> Duration {
+        let ms = self.budget_store_timeout_ms;
+        Duration::from_millis(ms.unwrap_or(START_DEFAULTS.budget_store_timeout_ms))
+    }
+
+    pub fn engine_metrics(&self) -> bool {
+        self.engine_metrics.unwrap_or(START_DEFAULTS.engine_metrics)
+    }
+
+    pub fn engine_metrics_interval(&self) -> Duration {
+        let ms = self.engine_metrics_interval_ms;
+        Duration::from_millis(ms.unwrap_or(START_DEFAULTS.engine_metrics_interval_ms))
+    }
+
+    pub fn token_count(&self) -> TokenCount {
+        self.token_count.unwrap_or(START_DEFAULTS.token_count)
+    }
+
+    pub fn estimate_bytes_per_token(&self) -> f64 {
+        let d = START_DEFAULTS.estimate_bytes_per_token;
+        self.estimate_bytes_per_token.unwrap_or(d)
+    }
+
+    pub fn on_mismatch(&self) -> OnMismatch {
+        self.on_mismatch.unwrap_or(START_DEFAULTS.on_mismatch)
+    }
 }
 
 impl GovernArgs {
@@ -267,8 +358,9 @@ impl GovernArgs {
         let Some(path) = self.record.clone() else {
             return Ok(None);
         };
-        let mib = self.record_max_mib.unwrap_or(256);
-        let capacity = self.record_queue.unwrap_or(65_536);
+        let d = &START_DEFAULTS;
+        let mib = self.record_max_mib.unwrap_or(d.record_max_mib);
+        let capacity = self.record_queue.unwrap_or(d.record_queue);
         if mib == 0 || capacity == 0 {
             return Err(StartError::Invalid(
                 "--record-max-mib (record_max_mib) and --record-queue (record_queue) must be at least 1".into(),
@@ -277,7 +369,7 @@ impl GovernArgs {
         Ok(Some(crate::recorder::RecordSettings {
             path,
             max_bytes: mib << 20,
-            keep: self.record_keep.unwrap_or(4),
+            keep: self.record_keep.unwrap_or(d.record_keep),
             capacity,
             salt: crate::recorder::salt_from_env(),
         }))
@@ -287,75 +379,26 @@ impl GovernArgs {
     ///
     /// # Errors
     /// The file cannot be read, or is not TOML with these fields.
-    pub fn with_config(mut self) -> Result<GovernArgs, StartError> {
+    pub fn with_config(self) -> Result<GovernArgs, StartError> {
         let Some(path) = self.config.clone() else {
             return Ok(self);
         };
         let text = read("--config", &path)?;
-        let f: GovernArgs = toml::from_str(&text).map_err(|e| StartError::ConfigFile {
+        let bad = |e: &dyn std::fmt::Display| StartError::ConfigFile {
             path: path.clone(),
             message: e.to_string(),
-        })?;
-        merge!(
-            self,
-            f,
-            profile,
-            tiers,
-            upstream,
-            listen,
-            max_context_tokens,
-            max_output_tokens,
-            max_concurrent_seqs,
-            max_kv_tokens_in_flight,
-            over_limit,
-            max_queue_len,
-            max_queue_tokens,
-            max_queue_age_ms,
-            interactive_deadline_ms,
-            batch_deadline_ms,
-            max_body_bytes,
-            upstream_timeout_ms,
-            upstream_idle_timeout_ms,
-            tokenizer,
-            token_count,
-            estimate_bytes_per_token,
-            tenants,
-            guard,
-            guard_interval_ms,
-            guard_metrics_url,
-            guard_small_kv,
-            guard_reject_kv,
-            guard_min_gpu_free_bytes,
-            on_mismatch,
-            drain_timeout_ms,
-            admin_token,
-            beyond_envelope,
-            interactive_ttft_budget_ms,
-            batch_ttft_budget_ms,
-            over_budget,
-            latency_guard,
-            header_read_timeout_ms,
-            max_connections,
-            connect_timeout_ms,
-            max_request_ms,
-            passthrough_paths,
-            public_paths,
-            count_timeout_ms,
-            max_counting,
-            image_part_tokens,
-            audio_part_tokens,
-            budgets,
-            budget_store,
-            budget_store_timeout_ms,
-            worker_threads,
-            record,
-            record_max_mib,
-            record_keep,
-            record_queue,
-            engine_metrics,
-            engine_metrics_interval_ms
-        );
-        Ok(self)
+        };
+        // The file, checked as written (unknown fields and bad values
+        // refused), then merged field by field as TOML tables: what the
+        // flags set wins, the rest comes from the file.
+        let file: GovernArgs = toml::from_str(&text).map_err(|e| bad(&e))?;
+        let mut merged = toml::Table::try_from(&self).map_err(|e| bad(&e))?;
+        for (k, v) in toml::Table::try_from(&file).map_err(|e| bad(&e))? {
+            merged.entry(k).or_insert(v);
+        }
+        let mut args: GovernArgs = merged.try_into().map_err(|e| bad(&e))?;
+        args.config = Some(path);
+        Ok(args)
     }
 
     /// The runtime that serves the governor: for one worker thread, one
@@ -367,7 +410,7 @@ impl GovernArgs {
     /// # Errors
     /// `worker_threads` is 0, or the runtime cannot start.
     pub fn runtime(&self) -> Result<tokio::runtime::Runtime, StartError> {
-        let mut b = match self.worker_threads.unwrap_or(1) {
+        let mut b = match self.worker_threads.unwrap_or(START_DEFAULTS.worker_threads) {
             0 => {
                 return Err(StartError::Invalid(
                     "--worker-threads (worker_threads): must be at least 1".into(),
@@ -416,14 +459,23 @@ impl GovernArgs {
             limits.max_kv_tokens_in_flight = v;
         }
         let mut s = Settings::from_profile(profile, limits);
-        s.over_limit = self.over_limit.unwrap_or(OverLimit::Clamp);
-        s.beyond = self.beyond_envelope.unwrap_or(Beyond::Refuse);
+        // What is not set keeps Settings::new's default.
+        if let Some(v) = self.over_limit {
+            s.over_limit = v;
+        }
+        if let Some(v) = self.beyond_envelope {
+            s.beyond = v;
+        }
         if self.interactive_ttft_budget_ms.is_some() {
             s.interactive_ttft_budget_ms = self.interactive_ttft_budget_ms;
         }
         s.batch_ttft_budget_ms = self.batch_ttft_budget_ms;
-        s.over_budget = self.over_budget.unwrap_or(OverBudget::Shed);
-        s.latency.enabled = self.latency_guard.unwrap_or(true);
+        if let Some(v) = self.over_budget {
+            s.over_budget = v;
+        }
+        if let Some(v) = self.latency_guard {
+            s.latency.enabled = v;
+        }
         macro_rules! set {
             ($($f:ident),*) => { $( if let Some(v) = self.$f { s.$f = v; } )* };
         }
@@ -456,12 +508,13 @@ impl GovernArgs {
             s.tenants = TenantsFile::from_toml(&t, &p.display().to_string())
                 .map_err(StartError::Invalid)?;
         }
-        s.ladder = LadderSettings {
-            small_kv_usage: self.guard_small_kv.unwrap_or(0.90),
-            reject_kv_usage: self.guard_reject_kv.unwrap_or(0.98),
-            min_gpu_free_bytes: self.guard_min_gpu_free_bytes,
-            ..LadderSettings::default()
-        };
+        if let Some(v) = self.guard_small_kv {
+            s.ladder.small_kv_usage = v;
+        }
+        if let Some(v) = self.guard_reject_kv {
+            s.ladder.reject_kv_usage = v;
+        }
+        s.ladder.min_gpu_free_bytes = self.guard_min_gpu_free_bytes;
         s.admin_token = self.admin_token.clone();
         if let Some(p) = &self.budgets {
             let t = read("--budgets", p)?;
@@ -518,6 +571,31 @@ mod tests {
         let a = t.a.with_config().unwrap();
         assert_eq!(a.token_count, Some(TokenCount::Estimate));
         assert_eq!(a.on_mismatch, Some(OnMismatch::Refuse));
+        // Every kind of field comes through the merge: a bool, a float, a
+        // list, a path; a flag of the same field wins; what neither sets is
+        // the one default.
+        std::fs::write(
+            &cfg,
+            "guard = false\nguard_small_kv = 0.8\npassthrough_paths = [\"/x\"]\nrecord = \"r.jsonl\"\nlisten = \"127.0.0.1:1\"\n",
+        )
+        .unwrap();
+        let t = T::try_parse_from([
+            "t",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:2",
+        ])
+        .unwrap();
+        let a = t.a.with_config().unwrap();
+        assert!(!a.guard());
+        assert_eq!(a.guard_small_kv, Some(0.8));
+        assert_eq!(a.passthrough_paths, Some(vec!["/x".to_string()]));
+        assert_eq!(a.record.as_deref(), Some(Path::new("r.jsonl")));
+        assert_eq!(a.listen(), "127.0.0.1:2");
+        assert_eq!(a.config.as_deref(), Some(cfg.as_path()));
+        assert_eq!(a.drain_timeout().as_millis(), 30_000);
+        assert_eq!(a.guard_metrics_url("http://u"), "http://u/metrics");
         std::fs::write(&cfg, "on_mismatch = \"maybe\"\n").unwrap();
         let t = T::try_parse_from(["t", "--config", cfg.to_str().unwrap()]).unwrap();
         assert!(t.a.with_config().is_err());

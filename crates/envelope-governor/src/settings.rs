@@ -28,7 +28,7 @@ use envelope_profile::Limits;
 use serde::Deserialize;
 use std::collections::HashMap;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OverLimit {
     /// Lower max_tokens to the cap.
@@ -49,7 +49,7 @@ impl std::str::FromStr for OverLimit {
 }
 
 /// A request past the largest measured bucket of the profile.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Beyond {
     /// Refuse with 400, naming the largest bucket (nothing measured says it is safe).
@@ -71,7 +71,7 @@ impl std::str::FromStr for Beyond {
 
 /// A request whose expected queue wait plus its bucket's TTFT would break
 /// its TTFT budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OverBudget {
     /// 429 with Retry-After now, and out of the queue once the budget is spent.

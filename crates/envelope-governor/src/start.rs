@@ -33,10 +33,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         return Err(StartError::Missing("upstream"));
     };
     let upstream = upstream.trim_end_matches('/').to_string();
-    let listen = args
-        .listen
-        .clone()
-        .unwrap_or_else(|| "127.0.0.1:9000".into());
+    let listen = args.listen();
     // For the checks at start (the governed requests get their own).
     let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
 
@@ -84,7 +81,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     } else if lat.enabled {
         tracing::warn!("latency guard: off, the profile has no latency SLO to hold");
     }
-    if !args.guard.unwrap_or(true) {
+    if !args.guard() {
         tracing::warn!("live guard: off (--guard false): upstream metrics are not polled");
     }
     let gov = Governor::new(settings);
@@ -106,7 +103,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     )?;
     state.recorder = recorder.clone();
     if let Some(url) = &args.budget_store {
-        let timeout = Duration::from_millis(args.budget_store_timeout_ms.unwrap_or(50));
+        let timeout = args.budget_store_timeout();
         state.budget_store =
             Arc::new(crate::budget::Store::redis(url, timeout).map_err(StartError::Invalid)?);
     }
@@ -148,14 +145,11 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         })
     };
     state.reload = Some(reload.clone());
-    let metrics_url = args
-        .guard_metrics_url
-        .clone()
-        .unwrap_or_else(|| format!("{upstream}/metrics"));
-    let engine_metrics = args.engine_metrics.unwrap_or(false);
+    let metrics_url = args.guard_metrics_url(&upstream);
+    let engine_metrics = args.engine_metrics();
     if engine_metrics {
-        let ms = args.engine_metrics_interval_ms.unwrap_or(50);
-        if ms == 0 {
+        let every = args.engine_metrics_interval();
+        if every.is_zero() {
             return Err(StartError::Invalid(
                 "--engine-metrics-interval-ms (engine_metrics_interval_ms) must be at least 1"
                     .into(),
@@ -164,14 +158,14 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         state.engine_metrics = Some(crate::engine_metrics::EngineMetrics::spawn(
             gov.clone(),
             &metrics_url,
-            Duration::from_millis(ms),
+            every,
         ));
     }
-    if args.guard.unwrap_or(true) {
+    if args.guard() {
         live_guard::spawn_guard(
             gov.clone(),
             metrics_url,
-            Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+            args.guard_interval(),
             !engine_metrics,
         );
     }
@@ -199,7 +193,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     let addr = listener.local_addr()?;
     println!("envelope govern listening on http://{addr}");
     std::io::stdout().flush()?;
-    let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
+    let drain_timeout = args.drain_timeout();
     let g = gov.clone();
     let shutdown = async move {
         crate::signals::shutdown_requested().await;

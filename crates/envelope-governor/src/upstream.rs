@@ -70,9 +70,7 @@ pub(crate) async fn pick_counter(
         let local = TokenCounter::from_tokenizer_file(p).map_err(StartError::Invalid)?;
         return Ok(with_measured_chat(local, client, upstream).await);
     }
-    let bytes_per_token = args
-        .estimate_bytes_per_token
-        .unwrap_or(crate::tokens::BOUND_BYTES_PER_TOKEN);
+    let bytes_per_token = args.estimate_bytes_per_token();
     let estimate = TokenCounter::Estimate { bytes_per_token };
     let counter = |dialect: Dialect| TokenCounter::Upstream {
         client: UpstreamClient::new(connect_timeout),
@@ -81,7 +79,7 @@ pub(crate) async fn pick_counter(
         dialect,
         chat: ChatOverhead::default(),
     };
-    let chosen = match args.token_count.unwrap_or(TokenCount::Auto) {
+    let chosen = match args.token_count() {
         TokenCount::Estimate => {
             tracing::warn!("prompt tokens are ESTIMATED (bytes / {bytes_per_token}, rounded up; --token-count estimate)");
             return Ok(estimate);
@@ -320,7 +318,7 @@ pub(crate) async fn check_profile(
         return Ok(false);
     }
     let list = mismatches.join("; ");
-    match args.on_mismatch.unwrap_or(OnMismatch::Conservative) {
+    match args.on_mismatch() {
         OnMismatch::Refuse => Err(StartError::Mismatch {
             profile: shown.to_string(),
             list,

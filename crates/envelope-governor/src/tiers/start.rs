@@ -129,11 +129,11 @@ async fn upstream(
             }
         }));
     }
-    if args.guard.unwrap_or(true) {
+    if args.guard() {
         tasks.push(crate::live_guard::spawn_guard(
             gov.clone(),
             format!("{url}/metrics"),
-            Duration::from_millis(args.guard_interval_ms.unwrap_or(1000)),
+            args.guard_interval(),
             true,
         ));
     }
@@ -411,10 +411,7 @@ fn watched(r: &TierRouter) -> Vec<PathBuf> {
 
 async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     let read = read_file(&path)?;
-    let listen = args
-        .listen
-        .clone()
-        .unwrap_or_else(|| "127.0.0.1:9000".into());
+    let listen = args.listen();
     let live = build(&args, read, None).await?;
     for t in &live.tiers {
         let ups: Vec<String> = t
@@ -424,7 +421,7 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
             .collect();
         tracing::info!("tier {}: {}", t.name, ups.join(", "));
     }
-    let drain_timeout = Duration::from_millis(args.drain_timeout_ms.unwrap_or(30_000));
+    let drain_timeout = args.drain_timeout();
     let router = TierRouter::new(path, args, live);
     tracing::info!("model tiers: version {}", router.live().file.version);
     let recorder = crate::recorder::Recorder::start_if(
