@@ -142,12 +142,7 @@ async fn overload_direct_preempts_governed_does_not() {
         ok.len(),
         refused.len()
     );
-    let m = reqwest::get(gov.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = gov.metrics_page().await;
     assert!(
         m.contains("envelope_governor_rejections_total{reason=\"queue_full\"}"),
         "{m}"

@@ -35,12 +35,7 @@ fn replicas(n: usize, root: &Path, upstream: &str, budgets: &str, url: &str) -> 
 /// Redis (it then failed open, and the counts below it mean nothing).
 async fn no_store_errors(gs: &[Governor]) {
     for g in gs {
-        let text = reqwest::get(g.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = g.metrics_page().await;
         let errors: f64 = text
             .lines()
             .filter(|l| l.starts_with("envelope_governor_budget_store_errors_total"))

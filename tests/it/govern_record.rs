@@ -101,12 +101,7 @@ async fn recording_at_2000_requests_a_second_for_30_s_loses_no_record() {
         "{answered} of {total} answered"
     );
     let lines = common::lines_when(&path, answered as usize).await;
-    let m = reqwest::get(gov.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = gov.metrics_page().await;
     assert_eq!(metric(&m, "envelope_governor_records_dropped_total"), 0);
     assert_eq!(
         metric(&m, "envelope_governor_records_written_total"),

@@ -248,6 +248,12 @@ impl Governor {
         sample(&self.url("/metrics"), series).await.0.unwrap_or(0.0)
     }
 
+    /// The governor's whole `/metrics` page.
+    pub async fn metrics_page(&self) -> String {
+        let r = reqwest::get(self.url("/metrics")).await.unwrap();
+        r.text().await.unwrap()
+    }
+
     /// What the governor wrote to stderr so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

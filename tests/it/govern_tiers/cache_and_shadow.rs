@@ -52,12 +52,7 @@ enabled = true
     // success before its answer's last bytes: the count is final here,
     // with no wait (a wait of a while would miss a call later than it).
     assert_eq!(up.metric(SERVED).await, 5.0);
-    let m = reqwest::get(gov.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = gov.metrics_page().await;
     assert!(
         m.contains("envelope_tier_cache_total{result=\"hit\"} 2"),
         "{m}"

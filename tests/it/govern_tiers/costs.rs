@@ -138,12 +138,7 @@ max_cost_per_call = 1.0
         .await
         .unwrap();
     assert_eq!(csv.lines().count(), 1 + served.len(), "{csv}");
-    let m = reqwest::get(gov.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = gov.metrics_page().await;
     assert!(
         m.contains("envelope_tier_feature_over_budget{feature=\"summary\"} 1"),
         "{m}"

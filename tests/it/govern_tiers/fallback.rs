@@ -50,12 +50,7 @@ upstreams = [{{ url = "{}", profile = "{}", model = "tiny" }}]
             assert_eq!(r.tier(), "strong");
             assert_eq!(r.header("x-envelope-fallback-from"), "cheap");
             assert_eq!(r.body["model"], "tiny");
-            let m = reqwest::get(gov.url("/metrics"))
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let m = gov.metrics_page().await;
             assert!(
                 m.contains("envelope_tier_fallbacks_total{from=\"cheap\",to=\"strong\"} 1"),
                 "{m}"
