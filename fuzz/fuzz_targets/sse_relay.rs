@@ -5,7 +5,7 @@
 #![no_main]
 
 use bytes::Bytes;
-use envelope_governor::{relay, Answer, AppState, Ask, Governor, Settings, TokenCounter};
+use envelope_governor::{relay, Answer, AppState, Ask, Governor, SettingsDraft, TokenCounter};
 use futures::StreamExt;
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
@@ -30,7 +30,8 @@ fn world() -> &'static World {
             max_kv_tokens_in_flight: 1 << 30,
             buckets: vec![],
         };
-        let gov = Governor::new(Settings::new(limits, "fuzz"));
+        let settings = SettingsDraft::new(limits, "fuzz").check().expect("valid settings");
+        let gov = Governor::new(settings);
         let state = AppState::new(
             gov,
             "http://127.0.0.1:9",

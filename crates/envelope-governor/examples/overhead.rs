@@ -16,7 +16,7 @@
 
 use axum::routing::post;
 use axum::{Json, Router};
-use envelope_governor::{AppState, Governor, Settings, TokenCounter};
+use envelope_governor::{AppState, Governor, SettingsDraft, TokenCounter};
 use envelope_profile::Limits;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
@@ -155,9 +155,9 @@ fn main() {
                 max_kv_tokens_in_flight: 100_000_000,
                 buckets: vec![],
             };
-            let mut s = Settings::new(limits, "overhead");
+            let mut s = SettingsDraft::new(limits, "overhead");
             s.max_queue_len = 100_000;
-            let gov = Governor::new(s);
+            let gov = Governor::new(s.check().expect("valid settings"));
             let mut state = AppState::new(
                 gov.clone(),
                 &upstream,

@@ -191,8 +191,7 @@ impl Drop for Permit {
 impl Governor {
     pub fn new(settings: Settings) -> Arc<Governor> {
         let cap = full_capacity(&settings.limits);
-        let shares = settings.tenants.shares().unwrap_or_default();
-        let mut ledger = Ledger::new(cap, &shares, settings.tenants.default_burst);
+        let mut ledger = Ledger::new(cap, settings.shares(), settings.tenants.default_burst);
         ledger.set_min_burst_capacity(burst_floor(&settings));
         let inner = Inner {
             latency: latency_guard(&settings),

@@ -4,7 +4,7 @@
 //! profile and the overrides into [`Settings`].
 
 use crate::error::StartError;
-use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, TenantsFile};
+use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, SettingsDraft, TenantsFile};
 use clap::Args;
 use envelope_profile::{Limits, Profile};
 use serde::{Deserialize, Serialize};
@@ -257,7 +257,7 @@ pub struct GovernArgs {
 
 /// What an unset flag or config field of `envelope govern` means, for the
 /// settings the start-up reads (the request path's settings keep theirs in
-/// [`Settings::new`], the guard's in `LadderSettings::default` and the
+/// [`SettingsDraft::new`], the guard's in `LadderSettings::default` and the
 /// latency guard's in `LatencySettings::default`). The one place these
 /// defaults are written; `--help` states them.
 pub struct StartDefaults {
@@ -458,8 +458,8 @@ impl GovernArgs {
         if let Some(v) = self.max_kv_tokens_in_flight {
             limits.max_kv_tokens_in_flight = v;
         }
-        let mut s = Settings::from_profile(profile, limits);
-        // What is not set keeps Settings::new's default.
+        let mut s = SettingsDraft::from_profile(profile, limits);
+        // What is not set keeps SettingsDraft::new's default.
         if let Some(v) = self.over_limit {
             s.over_limit = v;
         }
@@ -522,9 +522,8 @@ impl GovernArgs {
                 .map_err(StartError::Invalid)?;
             s.budgets = Some(std::sync::Arc::new(b));
         }
-        s.validate()
-            .map_err(|e| StartError::Invalid(format!("{shown} with overrides: {e}")))?;
-        Ok(s)
+        s.check()
+            .map_err(|e| StartError::Invalid(format!("{shown} with overrides: {e}")))
     }
 }
 

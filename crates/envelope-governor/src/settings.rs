@@ -1,7 +1,10 @@
 //! Validated settings: the profile's limits with overrides applied, queue
 //! bounds, class deadlines, tenants (shares, weights, API keys), policies.
-//! Parse, then validate: [`Settings::validate`] refuses what the governor
-//! could not enforce and names the field. The tenants file is TOML:
+//! A [`SettingsDraft`] is put together from the defaults, the profile, the
+//! flags and the files; [`SettingsDraft::check`] refuses what the governor
+//! could not enforce, naming the field, and is the only way to a
+//! [`Settings`], so the governor never holds invalid ones. The tenants
+//! file is TOML:
 //!
 //! ```toml
 //! trusted_header = "x-tenant"    # optional: set by a trusted front proxy
@@ -288,9 +291,11 @@ impl TenantsFile {
     }
 }
 
-/// Everything the governor enforces; built by the CLI (or a test).
+/// Everything the governor enforces, not yet checked: defaults from
+/// [`SettingsDraft::new`], then what the profile, the flags and the files
+/// set; [`SettingsDraft::check`] makes it [`Settings`].
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub struct SettingsDraft {
     pub limits: Limits,
     pub over_limit: OverLimit,
     pub max_queue_len: usize,
@@ -376,14 +381,43 @@ pub fn path_allowed(list: &[String], path: &str) -> bool {
     })
 }
 
+/// Settings that passed [`SettingsDraft::check`]: the only kind the
+/// governor takes. Read through `Deref`; to change one, take
+/// [`Settings::draft`], change it, and check it again.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    draft: SettingsDraft,
+    /// The tenants' shares, checked to fit together.
+    shares: HashMap<String, Share>,
+}
+
+impl std::ops::Deref for Settings {
+    type Target = SettingsDraft;
+    fn deref(&self) -> &SettingsDraft {
+        &self.draft
+    }
+}
+
 impl Settings {
+    /// A copy to change and check again (a reload, a test).
+    pub fn draft(&self) -> SettingsDraft {
+        self.draft.clone()
+    }
+
+    /// The tenants' guaranteed and burst shares of the envelope.
+    pub fn shares(&self) -> &HashMap<String, Share> {
+        &self.shares
+    }
+}
+
+impl SettingsDraft {
     /// Defaults around a profile's limits (a table-less `limits` stands
     /// for one bucket of its scalar caps).
-    pub fn new(mut limits: Limits, profile_id: impl Into<String>) -> Settings {
+    pub fn new(mut limits: Limits, profile_id: impl Into<String>) -> SettingsDraft {
         if limits.buckets.is_empty() {
             limits.buckets = vec![limits.single_row()];
         }
-        Settings {
+        SettingsDraft {
             max_queue_len: 256,
             max_queue_tokens: limits.max_kv_tokens_in_flight.saturating_mul(4),
             limits,
@@ -421,9 +455,9 @@ impl Settings {
 
     /// Defaults around a whole profile: its limits, its TTFT SLO as the
     /// interactive TTFT budget, and its SLOs for the latency guard.
-    pub fn from_profile(p: &envelope_profile::Profile, limits: Limits) -> Settings {
+    pub fn from_profile(p: &envelope_profile::Profile, limits: Limits) -> SettingsDraft {
         let id = format!("{}@{}", p.selected, p.created_unix_ms);
-        let mut s = Settings::new(limits, id);
+        let mut s = SettingsDraft::new(limits, id);
         s.interactive_ttft_budget_ms = p.slo.ttft_p95_ms;
         s.latency = crate::latency::LatencySettings::from_slo(&p.slo);
         s
@@ -436,7 +470,14 @@ impl Settings {
         }
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    /// The settings, or what is wrong with them, naming the field.
+    ///
+    /// # Errors
+    /// A limit, timeout or count of 0, an output cap over the context, a
+    /// path not starting with `/`, guard thresholds out of order, an empty
+    /// bucket table, a TTFT budget not positive, latency settings out of
+    /// range, tenants' shares that do not fit together.
+    pub fn check(self) -> Result<Settings, String> {
         let l = &self.limits;
         for (name, v) in [
             ("max_context_tokens", l.max_context_tokens),
@@ -499,7 +540,12 @@ impl Settings {
             }
         }
         self.latency.validate()?;
-        validate_shares(&self.tenants.shares()?)
+        let shares = self.tenants.shares()?;
+        validate_shares(&shares)?;
+        Ok(Settings {
+            draft: self,
+            shares,
+        })
     }
 
     pub fn class_deadline_ms(&self, class: crate::queue::Class) -> u64 {
@@ -560,27 +606,27 @@ mod tests {
 
     #[test]
     fn settings_validation() {
-        let mut s = Settings::new(limits(), "p");
-        s.validate().unwrap();
+        let s = SettingsDraft::new(limits(), "p").check().unwrap();
         assert_eq!(s.max_queue_tokens, 4 * 8192);
+        let mut s = s.draft();
         s.limits.max_output_tokens = 4096;
-        assert!(s.validate().unwrap_err().contains("max_output_tokens"));
-        let mut s = Settings::new(limits(), "p");
+        assert!(s.check().unwrap_err().contains("max_output_tokens"));
+        let mut s = SettingsDraft::new(limits(), "p");
         s.limits.max_concurrent_seqs = 0;
-        assert!(s.validate().unwrap_err().contains("max_concurrent_seqs"));
-        let mut s = Settings::new(limits(), "p");
+        assert!(s.check().unwrap_err().contains("max_concurrent_seqs"));
+        let mut s = SettingsDraft::new(limits(), "p");
         s.ladder.small_context_factor = 0.0;
-        assert!(s.validate().is_err());
-        let mut s = Settings::new(limits(), "p");
+        assert!(s.check().is_err());
+        let mut s = SettingsDraft::new(limits(), "p");
         s.ladder.small_kv_usage = 0.99;
-        assert!(s.validate().unwrap_err().contains("small_kv"));
-        let mut s = Settings::new(limits(), "p");
+        assert!(s.check().unwrap_err().contains("small_kv"));
+        let mut s = SettingsDraft::new(limits(), "p");
         s.limits.buckets.clear();
-        assert!(s.validate().unwrap_err().contains("buckets"));
-        let mut s = Settings::new(limits(), "p");
+        assert!(s.check().unwrap_err().contains("buckets"));
+        let mut s = SettingsDraft::new(limits(), "p");
         s.interactive_ttft_budget_ms = Some(0.0);
         assert!(s
-            .validate()
+            .check()
             .unwrap_err()
             .contains("interactive_ttft_budget_ms"));
         assert_eq!("reject".parse::<OverLimit>(), Ok(OverLimit::Reject));

@@ -126,9 +126,10 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             let r = ProfileFile::read("--profile", &path)
                 .and_then(|p| args.settings(&p, conservative))
                 .map_err(|e| e.to_string())
-                .and_then(|s| {
+                .map(|s| {
                     let id = s.profile_id.clone();
-                    gov.reload(s).map(|_| id)
+                    gov.reload(s);
+                    id
                 });
             let outcome = if r.is_ok() { "ok" } else { "rejected" };
             gov.metrics

@@ -49,9 +49,7 @@ impl Governor {
     }
 
     /// Swaps in new settings (hot reload); in-flight reservations stay.
-    pub fn reload(self: &Arc<Self>, settings: Settings) -> Result<(), String> {
-        settings.validate()?;
-        let shares = settings.tenants.shares()?;
+    pub fn reload(self: &Arc<Self>, settings: Settings) {
         let wakes = {
             let mut g = self.lock();
             *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
@@ -59,7 +57,7 @@ impl Governor {
             g.queue.set_bounds(s.max_queue_len, s.max_queue_tokens);
             g.ledger.set_full_capacity(full_capacity(&s.limits));
             g.ledger.set_min_burst_capacity(burst_floor(&s));
-            g.ledger.set_shares(&shares, s.tenants.default_burst);
+            g.ledger.set_shares(s.shares(), s.tenants.default_burst);
             g.queue.set_weights(s.tenants.weights());
             // In-flight requests keep their charges: a table of another
             // length keeps the counts it can and releases saturate.
@@ -77,7 +75,6 @@ impl Governor {
         };
         self.set_profile_label();
         Self::wake(wakes);
-        Ok(())
     }
 
     /// The proxy saw the upstream fail (the live guard counts these).

@@ -74,7 +74,7 @@ pub(super) async fn admin_reload(State(s): State<Arc<AppState>>, req: Request) -
 mod tests {
     use super::*;
     use crate::admission::Governor;
-    use crate::settings::Settings;
+    use crate::settings::SettingsDraft;
     use crate::tokens::TokenCounter;
     use axum::body::Body;
 
@@ -84,7 +84,7 @@ mod tests {
     #[tokio::test]
     async fn admin_needs_loopback_or_the_exact_token() {
         use tower::ServiceExt;
-        let mut settings = Settings::new(
+        let mut settings = SettingsDraft::new(
             envelope_profile::Limits {
                 max_context_tokens: 100,
                 max_output_tokens: 10,
@@ -95,7 +95,7 @@ mod tests {
             "p",
         );
         settings.admin_token = Some("s3cret-token".into());
-        let gov = Governor::new(settings);
+        let gov = Governor::new(settings.check().unwrap());
         let state = Arc::new(AppState::new(
             gov,
             "http://127.0.0.1:9",

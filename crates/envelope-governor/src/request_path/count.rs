@@ -120,9 +120,9 @@ mod tests {
             buckets: vec![],
         };
         l.buckets = vec![l.single_row()];
-        let mut settings = Settings::new(l, "p");
+        let mut settings = crate::settings::SettingsDraft::new(l, "p");
         settings.image_part_tokens = image_part_tokens;
-        let gov = Governor::new(settings);
+        let gov = Governor::new(settings.check().unwrap());
         let settings = gov.settings();
         (AppState::new(gov, "http://127.0.0.1:9", counter), settings)
     }

@@ -230,7 +230,9 @@ mod tests {
             max_kv_tokens_in_flight: 8192,
             buckets: vec![],
         };
-        let settings = Settings::new(limits, "p");
+        let settings = crate::settings::SettingsDraft::new(limits, "p")
+            .check()
+            .unwrap();
         let mut req = axum::http::Request::post("/v1/completions");
         for (k, v) in headers {
             req = req.header(*k, *v);

@@ -166,7 +166,7 @@ async fn build(
                 current.and_then(|c| c.all_upstreams().map(|(_, _, x)| x).find(|x| x.spec == *u));
             let (up, settings) = upstream(args, &field, u, spec.price.as_ref(), reuse).await?;
             if let Some(s) = settings {
-                reloads.push((field, up.clone(), s));
+                reloads.push((up.clone(), s));
             }
             ups.push(up);
         }
@@ -176,11 +176,8 @@ async fn build(
             latency_budget_ms: spec.latency_budget_ms,
         });
     }
-    for (field, up, s) in reloads {
-        up.app
-            .gov
-            .reload(s)
-            .map_err(|e| StartError::Invalid(format!("{field}: {e}")))?;
+    for (up, s) in reloads {
+        up.app.gov.reload(s);
     }
     Ok(Live { file, text, tiers })
 }

@@ -305,14 +305,15 @@ async fn admin_needs_loopback_or_token_and_reload_swaps_limits() {
         .body(axum::body::Body::empty())
         .unwrap();
     assert_eq!(app.oneshot(req).await.unwrap().status(), 200);
-    // Reload: valid settings apply, invalid ones are refused and the old stay.
-    let mut s = g.gov.settings().as_ref().clone();
+    // Reload: valid settings apply; invalid ones cannot be made, so the
+    // old stay.
+    let mut s = g.gov.settings().draft();
     s.limits.max_output_tokens = 7;
-    g.gov.reload(s).unwrap();
+    g.gov.reload(s.check().unwrap());
     let r = g.post("/v1/completions", json!({"prompt": "x"})).await;
     assert_eq!(r.headers()["x-envelope-max-tokens"], "7");
-    let mut bad = g.gov.settings().as_ref().clone();
+    let mut bad = g.gov.settings().draft();
     bad.limits.max_concurrent_seqs = 0;
-    assert!(g.gov.reload(bad).is_err());
+    assert!(bad.check().is_err());
     assert_eq!(g.gov.limits().max_concurrent_seqs, 4);
 }

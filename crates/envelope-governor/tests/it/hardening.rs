@@ -7,7 +7,7 @@
 use crate::common;
 
 use common::*;
-use envelope_governor::{Settings, TenantsFile, TokenCounter};
+use envelope_governor::{TenantsFile, TokenCounter};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use envelope_governor::{AppState, Governor, Settings, TokenCounter};
+use envelope_governor::{AppState, Governor, SettingsDraft, TokenCounter};
 use envelope_profile::Limits;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -320,7 +320,7 @@ impl Gov {
 }
 
 /// A fake upstream and a governor in front of it; `tune` adjusts settings.
-pub async fn start(limits: Limits, tune: impl FnOnce(&mut Settings)) -> Gov {
+pub async fn start(limits: Limits, tune: impl FnOnce(&mut SettingsDraft)) -> Gov {
     let (fake, upstream) = fake_upstream().await;
     start_with(fake, upstream, limits, tune, None).await
 }
@@ -329,7 +329,7 @@ pub async fn start_with(
     fake: Arc<Fake>,
     upstream: String,
     limits: Limits,
-    tune: impl FnOnce(&mut Settings),
+    tune: impl FnOnce(&mut SettingsDraft),
     counter: Option<TokenCounter>,
 ) -> Gov {
     start_until(
@@ -350,14 +350,13 @@ pub async fn start_until(
     fake: Arc<Fake>,
     upstream: String,
     limits: Limits,
-    tune: impl FnOnce(&mut Settings),
+    tune: impl FnOnce(&mut SettingsDraft),
     counter: Option<TokenCounter>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> (Gov, tokio::task::JoinHandle<std::io::Result<()>>) {
-    let mut s = Settings::new(limits, "test-profile");
+    let mut s = SettingsDraft::new(limits, "test-profile");
     tune(&mut s);
-    s.validate().unwrap();
-    let gov = Governor::new(s);
+    let gov = Governor::new(s.check().unwrap());
     let counter = counter.unwrap_or(TokenCounter::Upstream {
         client: envelope_governor::UpstreamClient::new(Duration::from_secs(5)),
         url: format!("{upstream}/tokenize"),

@@ -16,18 +16,18 @@ async fn reload_applies_tenants_and_releases_a_removed_guarantee() {
     }
     assert_eq!(g.fake.max_seqs_in_flight.load(Ordering::SeqCst), 1);
     // Reloaded without `hold`: `other` may use the whole node.
-    let mut s: Settings = (*g.gov.settings()).clone();
+    let mut s = g.gov.settings().draft();
     s.tenants = tenants("[tenants.other]\napi_keys = [\"sk-other\"]\n");
-    g.gov.reload(s).unwrap();
+    g.gov.reload(s.check().unwrap());
     g.fake.max_seqs_in_flight.store(0, Ordering::SeqCst);
     for t in spawn_many(&g, 4, Some("sk-other"), &[]) {
         assert_eq!(t.await.unwrap().0, 200);
     }
     assert_eq!(g.fake.max_seqs_in_flight.load(Ordering::SeqCst), 4);
     // default_burst applies on reload too.
-    let mut s: Settings = (*g.gov.settings()).clone();
+    let mut s = g.gov.settings().draft();
     s.tenants = tenants("default_burst = 0.25\n");
-    g.gov.reload(s).unwrap();
+    g.gov.reload(s.check().unwrap());
     g.fake.max_seqs_in_flight.store(0, Ordering::SeqCst);
     for t in spawn_many(&g, 3, None, &[]) {
         assert_eq!(t.await.unwrap().0, 200);
