@@ -156,7 +156,7 @@ fn main() {
                 buckets: vec![],
             };
             let mut s = SettingsDraft::new(limits, "overhead");
-            s.max_queue_len = 100_000;
+            s.queue.max_queue_len = 100_000;
             let gov = Governor::new(s.check().expect("valid settings"));
             let mut state = AppState::new(
                 gov.clone(),

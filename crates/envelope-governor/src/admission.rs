@@ -199,8 +199,8 @@ impl Governor {
             bucket_gauges: vec![],
             ledger,
             queue: AdmissionQueue::new(
-                settings.max_queue_len,
-                settings.max_queue_tokens,
+                settings.queue.max_queue_len,
+                settings.queue.max_queue_tokens,
                 settings.tenants.weights(),
             ),
             ladder: Ladder::new(settings.ladder.clone(), 0),
@@ -558,7 +558,7 @@ impl Governor {
         if g.ladder.level() == Level::RejectNew {
             return Err(Self::reject_new_error(&mut g, now_ms, one));
         }
-        if !g.queue.is_empty() && g.queue.len() >= s.max_queue_len {
+        if !g.queue.is_empty() && g.queue.len() >= s.queue.max_queue_len {
             let ra = Self::retry_after(&mut g, now_ms, Class::Batch, one);
             return Err(Self::overloaded(
                 OverloadReason::QueueFull,
@@ -657,7 +657,7 @@ impl Governor {
         let now_ms = self.now_ms();
         let terms = Terms {
             left_ms: ask.deadline.saturating_duration_since(now).as_millis() as f64,
-            max_queue_age_ms: s.max_queue_age_ms as f64,
+            max_queue_age_ms: s.queue.max_queue_age_ms as f64,
             ttft_budget_ms: match s.over_budget {
                 OverBudget::Shed => {
                     ttft_budget_ms(s.ttft_budget_ms(ask.class), ask.ttft_objective_ms)

@@ -4,7 +4,8 @@
 //! profile and the overrides into [`Settings`].
 
 use crate::error::StartError;
-use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, SettingsDraft, TenantsFile};
+use crate::settings::{self, SettingsDraft};
+use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, TenantsFile};
 use clap::Args;
 use envelope_profile::{Limits, Profile};
 use serde::{Deserialize, Serialize};
@@ -446,20 +447,23 @@ impl GovernArgs {
         if conservative {
             limits = live_guard::conservative(&limits);
         }
-        if let Some(v) = self.max_context_tokens {
-            limits.max_context_tokens = v;
-        }
-        if let Some(v) = self.max_output_tokens {
-            limits.max_output_tokens = v;
-        }
-        if let Some(v) = self.max_concurrent_seqs {
-            limits.max_concurrent_seqs = v;
-        }
-        if let Some(v) = self.max_kv_tokens_in_flight {
-            limits.max_kv_tokens_in_flight = v;
-        }
+        // Every settings field that a flag of the same name sets takes the
+        // flag's (or the config file's) value; the rest keep their default.
+        let written = match serde_json::to_value(self) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => return Err(StartError::Invalid("flags do not serialize".into())),
+        };
+        let set = |e: String| StartError::Invalid(format!("{shown} with overrides: {e}"));
+        // The bucket table is the profile's, never a flag's: kept out of
+        // the overlay, so its figures do not go through text.
+        let buckets = std::mem::take(&mut limits.buckets);
+        let mut limits = settings::overlay(&limits, &written).map_err(set)?;
+        limits.buckets = buckets;
         let mut s = SettingsDraft::from_profile(profile, limits);
-        // What is not set keeps SettingsDraft::new's default.
+        s.front = settings::overlay(&s.front, &written).map_err(set)?;
+        s.queue = settings::overlay(&s.queue, &written).map_err(set)?;
+        s.timeouts = settings::overlay(&s.timeouts, &written).map_err(set)?;
+        s.counting = settings::overlay(&s.counting, &written).map_err(set)?;
         if let Some(v) = self.over_limit {
             s.over_limit = v;
         }
@@ -475,33 +479,6 @@ impl GovernArgs {
         }
         if let Some(v) = self.latency_guard {
             s.latency.enabled = v;
-        }
-        macro_rules! set {
-            ($($f:ident),*) => { $( if let Some(v) = self.$f { s.$f = v; } )* };
-        }
-        set!(
-            max_queue_len,
-            max_queue_tokens,
-            max_queue_age_ms,
-            interactive_deadline_ms,
-            batch_deadline_ms,
-            max_body_bytes,
-            upstream_timeout_ms,
-            upstream_idle_timeout_ms,
-            header_read_timeout_ms,
-            max_connections,
-            connect_timeout_ms,
-            max_request_ms,
-            count_timeout_ms,
-            max_counting,
-            image_part_tokens,
-            audio_part_tokens
-        );
-        if let Some(p) = &self.passthrough_paths {
-            s.passthrough_paths = p.clone();
-        }
-        if let Some(p) = &self.public_paths {
-            s.public_paths = p.clone();
         }
         if let Some(p) = &self.tenants {
             let t = read("--tenants", p)?;
@@ -603,5 +580,69 @@ mod tests {
         let t = T::try_parse_from(["t", "--config", cfg.to_str().unwrap()]).unwrap();
         assert!(t.a.with_config().is_err());
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Every setting of the four groups and every scalar limit that a flag
+    /// of its name exists for is set by that flag, with no list of them
+    /// kept anywhere; the only one without a flag is the body's time.
+    #[test]
+    fn a_flag_sets_the_setting_of_its_name() {
+        use clap::CommandFactory;
+        let profile = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../profiles/cpu-2core-smollm2-135m-q4_1-quickstart/profile.json");
+        let file = ProfileFile::read("--profile", &profile).unwrap();
+        let defaults = T::try_parse_from(["t"])
+            .unwrap()
+            .a
+            .settings(&file, false)
+            .unwrap();
+        let flags: Vec<String> = T::command()
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        let mut limits = serde_json::to_value(&defaults.limits).unwrap();
+        limits.as_object_mut().unwrap().remove("buckets");
+        let groups = [
+            ("limits", limits),
+            ("front", serde_json::to_value(&defaults.front).unwrap()),
+            ("queue", serde_json::to_value(&defaults.queue).unwrap()),
+            (
+                "timeouts",
+                serde_json::to_value(&defaults.timeouts).unwrap(),
+            ),
+            (
+                "counting",
+                serde_json::to_value(&defaults.counting).unwrap(),
+            ),
+        ];
+        let mut without_a_flag = vec![];
+        for (group, fields) in &groups {
+            for (name, default) in fields.as_object().unwrap() {
+                if !flags.contains(name) {
+                    without_a_flag.push(name.clone());
+                    continue;
+                }
+                // A value other than the default, of the field's type.
+                let (given, expected) = match default {
+                    serde_json::Value::Array(_) => ("/z".to_string(), serde_json::json!(["/z"])),
+                    v => {
+                        let n = v.as_u64().unwrap() / 2 + 1;
+                        (n.to_string(), serde_json::json!(n))
+                    }
+                };
+                let flag = format!("--{}", name.replace('_', "-"));
+                let t = T::try_parse_from(["t", flag.as_str(), given.as_str()]).unwrap();
+                let s = t.a.settings(&file, false).unwrap();
+                let now = match *group {
+                    "limits" => serde_json::to_value(&s.limits).unwrap(),
+                    "front" => serde_json::to_value(&s.front).unwrap(),
+                    "queue" => serde_json::to_value(&s.queue).unwrap(),
+                    "timeouts" => serde_json::to_value(&s.timeouts).unwrap(),
+                    _ => serde_json::to_value(&s.counting).unwrap(),
+                };
+                assert_eq!(now[name], expected, "{flag} {given} sets {group}.{name}");
+            }
+        }
+        assert_eq!(without_a_flag, ["body_timeout_ms"]);
     }
 }

@@ -24,6 +24,13 @@
 //! else it is `default`. A client-chosen `x-envelope-tenant` counts for
 //! nothing: without a trusted header every anonymous request is `default`.
 
+mod groups;
+
+pub use groups::{
+    default_passthrough_paths, default_public_paths, overlay, CountingSettings, FrontSettings,
+    QueueSettings, TimeoutSettings,
+};
+
 use crate::ladder::LadderSettings;
 use crate::ledger::{validate_shares, Share};
 use crate::queue::Class;
@@ -298,18 +305,14 @@ impl TenantsFile {
 pub struct SettingsDraft {
     pub limits: Limits,
     pub over_limit: OverLimit,
-    pub max_queue_len: usize,
-    pub max_queue_tokens: u64,
-    pub max_queue_age_ms: u64,
-    pub interactive_deadline_ms: u64,
-    pub batch_deadline_ms: u64,
-    pub max_body_bytes: usize,
-    pub body_timeout_ms: u64,
-    /// Upstream: time to response headers (a non-streaming answer sends them
-    /// when it is done, so this bounds its whole generation).
-    pub upstream_timeout_ms: u64,
-    /// Longest gap between chunks of an upstream response before it counts as hung.
-    pub upstream_idle_timeout_ms: u64,
+    /// Clients: bodies, headers, connections, open and forwarded paths.
+    pub front: FrontSettings,
+    /// What may wait, how long, and the classes' deadlines.
+    pub queue: QueueSettings,
+    /// The upstream call's and the whole request's time.
+    pub timeouts: TimeoutSettings,
+    /// Counting prompt tokens.
+    pub counting: CountingSettings,
     pub tenants: TenantsFile,
     pub ladder: LadderSettings,
     pub admin_token: Option<String>,
@@ -323,54 +326,8 @@ pub struct SettingsDraft {
     pub over_budget: OverBudget,
     /// The latency guard (proxied TTFT/ITL/e2e against the profile's SLOs).
     pub latency: crate::latency::LatencySettings,
-    /// A client's request headers must arrive within this, ms.
-    pub header_read_timeout_ms: u64,
-    /// Most client connections open at once; more wait to be accepted.
-    pub max_connections: usize,
-    /// TCP connect to the upstream, ms.
-    pub connect_timeout_ms: u64,
-    /// A request's whole lifetime, queue and answer, ms: a stream still
-    /// running then is ended with an SSE error event.
-    pub max_request_ms: u64,
-    /// GET paths forwarded to the upstream (exact, or a prefix ending in `*`).
-    pub passthrough_paths: Vec<String>,
-    /// Paths answered without an API key when keys are configured (exact,
-    /// or a prefix ending in `*`): probes and scrapes. Every other route,
-    /// forwarded or the governor's own, needs a known key then.
-    pub public_paths: Vec<String>,
-    /// Counting a request's prompt tokens (one upstream /tokenize call, or
-    /// the local tokenizer), ms; past it the conservative estimate counts.
-    pub count_timeout_ms: u64,
-    /// Requests being counted at once; more wait (within the count timeout).
-    pub max_counting: usize,
-    /// Prompt tokens charged per image part of a chat message.
-    pub image_part_tokens: u64,
-    /// Prompt tokens charged per audio part of a chat message.
-    pub audio_part_tokens: u64,
     /// Budgets over time per tenant and feature (`--budgets`).
     pub budgets: Option<std::sync::Arc<crate::budget::Budgets>>,
-}
-
-/// The GET paths forwarded by default: model listing and health.
-pub fn default_passthrough_paths() -> Vec<String> {
-    [
-        "/v1/models",
-        "/v1/models/*",
-        "/health",
-        "/healthz",
-        "/ready",
-        "/version",
-    ]
-    .map(String::from)
-    .to_vec()
-}
-
-/// The paths answered without an API key by default: health, readiness
-/// and the governor's metrics (what a kubelet and Prometheus call).
-pub fn default_public_paths() -> Vec<String> {
-    ["/health", "/healthz", "/ready", "/metrics"]
-        .map(String::from)
-        .to_vec()
 }
 
 /// Whether `path` is in an allowlist of exact paths and `prefix*` entries.
@@ -418,17 +375,12 @@ impl SettingsDraft {
             limits.buckets = vec![limits.single_row()];
         }
         SettingsDraft {
-            max_queue_len: 256,
-            max_queue_tokens: limits.max_kv_tokens_in_flight.saturating_mul(4),
+            front: FrontSettings::default(),
+            queue: QueueSettings::for_kv_tokens(limits.max_kv_tokens_in_flight),
+            timeouts: TimeoutSettings::default(),
+            counting: CountingSettings::default(),
             limits,
             over_limit: OverLimit::Clamp,
-            max_queue_age_ms: 30_000,
-            interactive_deadline_ms: 30_000,
-            batch_deadline_ms: 300_000,
-            max_body_bytes: 8 << 20,
-            body_timeout_ms: 30_000,
-            upstream_timeout_ms: 600_000,
-            upstream_idle_timeout_ms: 60_000,
             tenants: TenantsFile::default(),
             ladder: LadderSettings::default(),
             admin_token: None,
@@ -439,16 +391,6 @@ impl SettingsDraft {
             batch_ttft_budget_ms: None,
             over_budget: OverBudget::Shed,
             latency: crate::latency::LatencySettings::default(),
-            header_read_timeout_ms: 10_000,
-            max_connections: 4096,
-            connect_timeout_ms: 5_000,
-            max_request_ms: 900_000,
-            passthrough_paths: default_passthrough_paths(),
-            public_paths: default_public_paths(),
-            count_timeout_ms: 2_000,
-            max_counting: 64,
-            image_part_tokens: 2048,
-            audio_part_tokens: 2048,
             budgets: None,
         }
     }
@@ -492,24 +434,24 @@ impl SettingsDraft {
         if l.max_output_tokens > l.max_context_tokens {
             return Err("`max_output_tokens` exceeds `max_context_tokens`".into());
         }
-        if self.max_queue_age_ms == 0 || self.max_body_bytes == 0 {
+        if self.queue.max_queue_age_ms == 0 || self.front.max_body_bytes == 0 {
             return Err("`max_queue_age_ms` and `max_body_bytes` must be at least 1".into());
         }
         for (name, v) in [
-            ("header_read_timeout_ms", self.header_read_timeout_ms),
-            ("max_connections", self.max_connections as u64),
-            ("connect_timeout_ms", self.connect_timeout_ms),
-            ("max_request_ms", self.max_request_ms),
-            ("count_timeout_ms", self.count_timeout_ms),
-            ("max_counting", self.max_counting as u64),
+            ("header_read_timeout_ms", self.front.header_read_timeout_ms),
+            ("max_connections", self.front.max_connections as u64),
+            ("connect_timeout_ms", self.timeouts.connect_timeout_ms),
+            ("max_request_ms", self.timeouts.max_request_ms),
+            ("count_timeout_ms", self.counting.count_timeout_ms),
+            ("max_counting", self.counting.max_counting as u64),
         ] {
             if v == 0 {
                 return Err(format!("`{name}` must be at least 1"));
             }
         }
         for (name, list) in [
-            ("passthrough_paths", &self.passthrough_paths),
-            ("public_paths", &self.public_paths),
+            ("passthrough_paths", &self.front.passthrough_paths),
+            ("public_paths", &self.front.public_paths),
         ] {
             if let Some(p) = list.iter().find(|p| !p.starts_with('/')) {
                 return Err(format!("`{name}`: `{p}` must start with /"));
@@ -550,8 +492,8 @@ impl SettingsDraft {
 
     pub fn class_deadline_ms(&self, class: crate::queue::Class) -> u64 {
         match class {
-            crate::queue::Class::Interactive => self.interactive_deadline_ms,
-            crate::queue::Class::Batch => self.batch_deadline_ms,
+            crate::queue::Class::Interactive => self.queue.interactive_deadline_ms,
+            crate::queue::Class::Batch => self.queue.batch_deadline_ms,
         }
     }
 }
@@ -607,7 +549,7 @@ mod tests {
     #[test]
     fn settings_validation() {
         let s = SettingsDraft::new(limits(), "p").check().unwrap();
-        assert_eq!(s.max_queue_tokens, 4 * 8192);
+        assert_eq!(s.queue.max_queue_tokens, 4 * 8192);
         let mut s = s.draft();
         s.limits.max_output_tokens = 4096;
         assert!(s.check().unwrap_err().contains("max_output_tokens"));

@@ -48,7 +48,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         args.tokenizer.as_deref(),
         &client,
         &upstream,
-        Duration::from_millis(settings.connect_timeout_ms),
+        Duration::from_millis(settings.timeouts.connect_timeout_ms),
         profile,
     )
     .await?;

@@ -54,7 +54,8 @@ impl Governor {
             let mut g = self.lock();
             *self.settings.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(settings);
             let s = self.settings();
-            g.queue.set_bounds(s.max_queue_len, s.max_queue_tokens);
+            g.queue
+                .set_bounds(s.queue.max_queue_len, s.queue.max_queue_tokens);
             g.ledger.set_full_capacity(full_capacity(&s.limits));
             g.ledger.set_min_burst_capacity(burst_floor(&s));
             g.ledger.set_shares(s.shares(), s.tenants.default_burst);

@@ -43,7 +43,7 @@ pub(super) async fn metrics(State(s): State<Arc<AppState>>, req: Request) -> Res
 /// Whether `path` may be answered without an API key: always when no keys
 /// are configured, else when it is one of `public_paths`.
 fn public(settings: &Settings, path: &str) -> bool {
-    !settings.tenants.keys_required() || path_allowed(&settings.public_paths, path)
+    !settings.tenants.keys_required() || path_allowed(&settings.front.public_paths, path)
 }
 
 /// A path whose segments, percent-decoded, hold `.` or `..`: many servers
@@ -70,13 +70,13 @@ pub(super) async fn passthrough(State(s): State<Arc<AppState>>, req: Request) ->
         );
     }
     let allowed = (matches!(*req.method(), Method::GET | Method::HEAD)
-        && path_allowed(&settings.passthrough_paths, &path))
+        && path_allowed(&settings.front.passthrough_paths, &path))
         || (req.method() == Method::POST && matches!(path.as_str(), "/tokenize" | "/detokenize"));
     if !allowed {
         let e = GovernError::NotFound(format!(
             "{} {path}: the governor forwards the two completion endpoints, /tokenize and the GET paths it is configured to pass ({})",
             req.method(),
-            settings.passthrough_paths.join(", ")
+            settings.front.passthrough_paths.join(", ")
         ));
         return reject(&s, e);
     }
@@ -102,8 +102,13 @@ pub(super) async fn passthrough(State(s): State<Arc<AppState>>, req: Request) ->
             .into_response()
         }
     };
-    let timeout = Duration::from_millis(settings.upstream_timeout_ms.min(settings.max_request_ms));
-    let end = Instant::now() + Duration::from_millis(settings.max_request_ms);
+    let timeout = Duration::from_millis(
+        settings
+            .timeouts
+            .upstream_timeout_ms
+            .min(settings.timeouts.max_request_ms),
+    );
+    let end = Instant::now() + Duration::from_millis(settings.timeouts.max_request_ms);
     let send = s.client.send(method, &url, headers, body);
     match tokio::time::timeout(timeout, send).await {
         Ok(Ok(resp)) => stream_back_with(&s, resp, None, None, end, [], None),

@@ -32,8 +32,8 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let settings = state.gov.settings();
     let limits = (
-        settings.max_connections,
-        Duration::from_millis(settings.header_read_timeout_ms),
+        settings.front.max_connections,
+        Duration::from_millis(settings.front.header_read_timeout_ms),
     );
     serve_router(listener, app(state.clone()), state, limits, shutdown).await
 }

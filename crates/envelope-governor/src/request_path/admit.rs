@@ -77,7 +77,7 @@ pub(crate) async fn place(
         max_tokens: parsed.max_tokens,
         n: parsed.n,
         output_per_seq: budgets.and_then(|b| b.output_per_seq(&who.tenant, feature, seqs)),
-        count_timeout_ms: settings.count_timeout_ms,
+        count_timeout_ms: settings.counting.count_timeout_ms,
     })?;
     let plan = match (planned, wait) {
         (Planned::Now(p), _) => p,

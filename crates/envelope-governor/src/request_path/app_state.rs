@@ -52,10 +52,10 @@ impl AppState {
         };
         AppState {
             client: UpstreamClient::counted(
-                Duration::from_millis(s.connect_timeout_ms),
+                Duration::from_millis(s.timeouts.connect_timeout_ms),
                 gov.metrics.connection_counters(),
             ),
-            counting: Arc::new(tokio::sync::Semaphore::new(s.max_counting)),
+            counting: Arc::new(tokio::sync::Semaphore::new(s.counting.max_counting)),
             gov,
             endpoint_uris: uri(Endpoint::Completions).and_then(|a| {
                 let host = crate::client::host_of(&a)
@@ -75,5 +75,5 @@ impl AppState {
 
 /// The client to the upstream: a connect timeout, no redirects followed.
 pub fn upstream_client(s: &Settings) -> UpstreamClient {
-    UpstreamClient::new(Duration::from_millis(s.connect_timeout_ms))
+    UpstreamClient::new(Duration::from_millis(s.timeouts.connect_timeout_ms))
 }

@@ -32,8 +32,9 @@ impl Counted {
         settings: &Settings,
         parsed: &ParsedRequest,
     ) -> Result<std::borrow::Cow<'_, Counted>, GovernError> {
-        let same_media = by_settings.image_part_tokens == settings.image_part_tokens
-            && by_settings.audio_part_tokens == settings.audio_part_tokens;
+        let same_media = by_settings.counting.image_part_tokens
+            == settings.counting.image_part_tokens
+            && by_settings.counting.audio_part_tokens == settings.counting.audio_part_tokens;
         let same_counter = self.source == CountSource::TokenIds || s.counter.counts_as(&by.counter);
         if same_media && same_counter {
             return Ok(std::borrow::Cow::Borrowed(self));
@@ -62,8 +63,8 @@ pub(crate) async fn count(
         None => Box::pin(count_waiting(s, settings, parsed)).await?,
     };
     if let Prompts::Messages(c) = &parsed.prompts {
-        let media = c.media.images * settings.image_part_tokens
-            + c.media.audio * settings.audio_part_tokens;
+        let media = c.media.images * settings.counting.image_part_tokens
+            + c.media.audio * settings.counting.audio_part_tokens;
         if let Some(first) = counts.first_mut() {
             *first += media;
         }
@@ -79,7 +80,7 @@ async fn count_waiting(
     settings: &Settings,
     parsed: &ParsedRequest,
 ) -> Result<(Vec<u64>, CountSource), GovernError> {
-    let timeout = Duration::from_millis(settings.count_timeout_ms);
+    let timeout = Duration::from_millis(settings.counting.count_timeout_ms);
     let counted = tokio::time::timeout(timeout, async {
         let _slot = s.counting.acquire().await;
         s.counter.count(parsed).await
@@ -121,7 +122,7 @@ mod tests {
         };
         l.buckets = vec![l.single_row()];
         let mut settings = crate::settings::SettingsDraft::new(l, "p");
-        settings.image_part_tokens = image_part_tokens;
+        settings.counting.image_part_tokens = image_part_tokens;
         let gov = Governor::new(settings.check().unwrap());
         let settings = gov.settings();
         (AppState::new(gov, "http://127.0.0.1:9", counter), settings)

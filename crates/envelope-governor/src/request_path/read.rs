@@ -164,25 +164,32 @@ pub(crate) async fn read_request(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
     {
-        if len > settings.max_body_bytes as u64 {
+        if len > settings.front.max_body_bytes as u64 {
             // Read to its end and dropped first (up to 8 times the limit,
             // within the body timeout), as nginx's lingering close does:
             // answered while the client is still sending, the client would
             // get a broken pipe instead of the 413.
-            if len <= 8 * settings.max_body_bytes as u64 {
+            if len <= 8 * settings.front.max_body_bytes as u64 {
                 let mut body = body.into_data_stream();
                 let drain =
                     async { while let Some(Ok(_)) = futures::StreamExt::next(&mut body).await {} };
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(settings.body_timeout_ms), drain)
-                        .await;
+                let _ = tokio::time::timeout(
+                    Duration::from_millis(settings.front.body_timeout_ms),
+                    drain,
+                )
+                .await;
             }
             return Err(GovernError::BodyTooLarge {
-                limit_bytes: settings.max_body_bytes,
+                limit_bytes: settings.front.max_body_bytes,
             });
         }
     }
-    let bytes = read_body(body, settings.max_body_bytes, settings.body_timeout_ms).await?;
+    let bytes = read_body(
+        body,
+        settings.front.max_body_bytes,
+        settings.front.body_timeout_ms,
+    )
+    .await?;
     let parsed = request::parse_bytes(endpoint, bytes)?;
     let deadline_ms = match parts.headers.get(DEADLINE_NAME) {
         None => settings.class_deadline_ms(class),
@@ -204,7 +211,7 @@ pub(crate) async fn read_request(
     let feature = identity::named(&parts.headers, identity::FEATURE_HEADER)?;
     let conversation = identity::named(&parts.headers, identity::CONVERSATION_HEADER)?;
     // The whole request, queue and answer, ends by its lifetime.
-    let end = arrived + Duration::from_millis(settings.max_request_ms);
+    let end = arrived + Duration::from_millis(settings.timeouts.max_request_ms);
     Ok(Incoming {
         parts,
         parsed,

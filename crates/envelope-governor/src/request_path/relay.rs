@@ -439,7 +439,7 @@ pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
         permit,
         budget: None,
     });
-    let end = now + Duration::from_millis(s.gov.settings().max_request_ms);
+    let end = now + Duration::from_millis(s.gov.settings().timeouts.max_request_ms);
     stream_back_with(s, resp, held, Some(now), end, [], None)
 }
 
@@ -495,7 +495,7 @@ pub(crate) fn stream_back_with(
     for (k, v) in extra {
         headers.insert(k, v);
     }
-    let idle = Duration::from_millis(s.gov.settings().upstream_idle_timeout_ms);
+    let idle = Duration::from_millis(s.gov.settings().timeouts.upstream_idle_timeout_ms);
     let flow = Flow {
         inner: body,
         held,

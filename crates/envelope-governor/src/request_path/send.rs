@@ -43,7 +43,7 @@ pub(crate) async fn send(
     let mut headers = forward_headers(&inc.parts.headers);
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     let now = Instant::now();
-    let timeout = Duration::from_millis(settings.upstream_timeout_ms)
+    let timeout = Duration::from_millis(settings.timeouts.upstream_timeout_ms)
         .min(inc.end.saturating_duration_since(now));
     s.gov.note_added_latency(inc.arrived.elapsed());
     if let Some(h) = &placed.budget {

@@ -113,7 +113,7 @@ async fn upstream(
         spec.tokenizer.as_deref(),
         &client,
         &url,
-        std::time::Duration::from_millis(settings.connect_timeout_ms),
+        std::time::Duration::from_millis(settings.timeouts.connect_timeout_ms),
         &profile.profile,
     )
     .await?;
@@ -453,8 +453,8 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     std::io::stdout().flush()?;
     let s = base(&router).gov.settings();
     let limits = (
-        s.max_connections,
-        Duration::from_millis(s.header_read_timeout_ms),
+        s.front.max_connections,
+        Duration::from_millis(s.front.header_read_timeout_ms),
     );
     let r = router.clone();
     let shutdown = async move {

@@ -154,7 +154,7 @@ async fn over_budget_queue_keeps_waiting_past_the_ttft_budget() {
     let g = start(one_seq(), |s| {
         s.interactive_ttft_budget_ms = Some(300.0);
         s.over_budget = OverBudget::Queue;
-        s.max_queue_age_ms = 1500;
+        s.queue.max_queue_age_ms = 1500;
     })
     .await;
     let held = hold_the_only_sequence(&g).await;
@@ -196,7 +196,7 @@ async fn beyond_the_envelope_refused_or_admitted_alone() {
     // that would otherwise fit waits behind it.
     let g = start(l, |s| {
         s.beyond = Beyond::Alone;
-        s.max_queue_age_ms = 400;
+        s.queue.max_queue_age_ms = 400;
     })
     .await;
     g.fake.hang.store(true, Ordering::SeqCst);

@@ -25,7 +25,10 @@ async fn raw(g: &Gov, path: &str, body: Vec<u8>) -> (u16, Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bad_input_is_a_clear_4xx_and_never_forwarded() {
-    let g = start(limits(1000, 100, 4, 4000), |s| s.max_body_bytes = 64 << 10).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.front.max_body_bytes = 64 << 10
+    })
+    .await;
     let cases: Vec<(&str, Vec<u8>, u16, Option<&str>)> = vec![
         ("/v1/completions", b"{not json".to_vec(), 400, None),
         ("/v1/completions", vec![0xff, 0xfe, 0x00], 400, None),
@@ -136,7 +139,10 @@ async fn bad_input_is_a_clear_4xx_and_never_forwarded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_oversized_body_is_read_before_its_413() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let g = start(limits(1000, 100, 4, 4000), |s| s.max_body_bytes = 64 << 10).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.front.max_body_bytes = 64 << 10
+    })
+    .await;
     let mut c = tokio::net::TcpStream::connect(g.base.trim_start_matches("http://"))
         .await
         .unwrap();
@@ -163,7 +169,10 @@ async fn an_oversized_body_is_read_before_its_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slow_clients_time_out_with_408() {
-    let g = start(limits(1000, 100, 4, 4000), |s| s.body_timeout_ms = 200).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.front.body_timeout_ms = 200
+    })
+    .await;
     let stream = futures::stream::unfold(0, |i| async move {
         if i == 3 {
             return None;
@@ -232,7 +241,10 @@ async fn upstream_down_is_502_and_releases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hanging_upstream_is_504_and_releases() {
-    let g = start(limits(1000, 100, 4, 4000), |s| s.upstream_timeout_ms = 300).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.timeouts.upstream_timeout_ms = 300
+    })
+    .await;
     g.fake.hang.store(true, Ordering::SeqCst);
     let r = g
         .post(
@@ -324,7 +336,7 @@ async fn whole_answers_keep_their_length_and_a_cut_one_reads_as_broken() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn upstream_stalling_mid_stream_times_out_and_releases() {
     let g = start(limits(1000, 100, 4, 4000), |s| {
-        s.upstream_idle_timeout_ms = 300
+        s.timeouts.upstream_idle_timeout_ms = 300
     })
     .await;
     g.fake.stall_after_chunks.store(2, Ordering::SeqCst);

@@ -189,7 +189,10 @@ async fn output_cap_injects_and_clamps_or_rejects() {
 async fn in_flight_never_exceeds_caps_under_a_burst() {
     // 3 sequences, 90 KV tokens: each request is 5 + 10 = 15 tokens, so the
     // sequence cap binds; n = 2 requests count twice.
-    let g = start(limits(1000, 10, 3, 90), |s| s.max_queue_tokens = 10_000).await;
+    let g = start(limits(1000, 10, 3, 90), |s| {
+        s.queue.max_queue_tokens = 10_000
+    })
+    .await;
     g.fake.delay_per_token_ms.store(3, Ordering::SeqCst);
     let mut tasks = vec![];
     for i in 0..40 {
@@ -223,7 +226,10 @@ async fn in_flight_never_exceeds_caps_under_a_burst() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn kv_budget_binds_and_is_never_exceeded() {
     // Each request reserves 5 + 20 = 25 KV tokens; 60 fit two at a time.
-    let g = start(limits(1000, 20, 16, 60), |s| s.max_queue_tokens = 10_000).await;
+    let g = start(limits(1000, 20, 16, 60), |s| {
+        s.queue.max_queue_tokens = 10_000
+    })
+    .await;
     // The first two hold their slots (20 x 100 ms) while the other 18 queue,
     // however slowly they arrive; those then run fast.
     g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
@@ -292,7 +298,7 @@ async fn never_fitting_requests_are_400_not_429() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn full_queue_refuses_with_429_and_retry_after() {
     let g = start(limits(1000, 10, 1, 1000), |s| {
-        s.max_queue_len = 2;
+        s.queue.max_queue_len = 2;
     })
     .await;
     g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
@@ -412,7 +418,10 @@ fn spawn_hello(g: &Gov) -> tokio::task::JoinHandle<reqwest::StatusCode> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn deadlines_bound_the_wait() {
-    let g = start(limits(1000, 10, 1, 1000), |s| s.max_queue_age_ms = 60_000).await;
+    let g = start(limits(1000, 10, 1, 1000), |s| {
+        s.queue.max_queue_age_ms = 60_000
+    })
+    .await;
     g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
     let first = spawn_hello(&g);
     g.wait_state(|s| s["in_flight"]["requests"] == 1).await;

@@ -5,7 +5,7 @@ use super::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_refuses_before_counting() {
-    let g = start(limits(1000, 10, 1, 4000), |s| s.max_queue_len = 1).await;
+    let g = start(limits(1000, 10, 1, 4000), |s| s.queue.max_queue_len = 1).await;
     g.fake.delay_per_token_ms.store(50, Ordering::SeqCst);
     let held = spawn_many(&g, 2, None, &[]);
     g.wait_state(|s| s["queue"]["requests"] == 1 && s["in_flight"]["requests"] == 1)
@@ -28,8 +28,8 @@ async fn a_full_queue_refuses_before_counting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn counting_is_one_call_with_a_deadline_and_a_cap() {
     let g = start(limits(100_000, 10, 512, 1_000_000), |s| {
-        s.count_timeout_ms = 400;
-        s.max_counting = 1;
+        s.counting.count_timeout_ms = 400;
+        s.counting.max_counting = 1;
     })
     .await;
     // A list of 300 prompts: at most one /tokenize call (here none: a list
@@ -70,7 +70,10 @@ async fn counting_is_one_call_with_a_deadline_and_a_cap() {
 /// one, and the real count fits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_count_that_timed_out_never_refuses_for_good() {
-    let g = start(limits(1000, 10, 4, 4000), |s| s.count_timeout_ms = 300).await;
+    let g = start(limits(1000, 10, 4, 4000), |s| {
+        s.counting.count_timeout_ms = 300
+    })
+    .await;
     // The fake counts a byte a token: 989 + 10 fits 1000 exactly counted;
     // the bound (bytes + 2 for special tokens) does not.
     let body = json!({"prompt": "a".repeat(989), "max_tokens": 10});

@@ -6,7 +6,10 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tools_tool_calls_and_media_parts_are_counted() {
     // The fake's /tokenize counts message contents only, one token a byte.
-    let g = start(limits(300, 10, 4, 4000), |s| s.image_part_tokens = 500).await;
+    let g = start(limits(300, 10, 4, 4000), |s| {
+        s.counting.image_part_tokens = 500
+    })
+    .await;
     let big = "x".repeat(1000);
     let tools = json!([{"type": "function", "function": {"name": "f", "description": big}}]);
     let calls =

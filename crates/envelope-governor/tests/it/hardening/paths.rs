@@ -57,7 +57,7 @@ async fn with_keys_every_forwarded_route_needs_one() {
     let t = tenants("[tenants.alice]\napi_keys = [\"sk-alice\"]\n");
     let g = start(limits(1000, 10, 4, 4000), move |s| {
         s.tenants = t;
-        s.public_paths = vec!["/health".into()];
+        s.front.public_paths = vec!["/health".into()];
     })
     .await;
     let get = |path: &'static str, key: Option<&'static str>| status_of_get(&g, path, key);

@@ -6,7 +6,7 @@ use super::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn headers_that_never_finish_are_cut() {
     let g = start(limits(1000, 10, 4, 4000), |s| {
-        s.header_read_timeout_ms = 300
+        s.front.header_read_timeout_ms = 300
     })
     .await;
     let addr = g.base.trim_start_matches("http://").to_string();
@@ -32,7 +32,7 @@ async fn headers_that_never_finish_are_cut() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn connections_past_the_cap_wait() {
-    let g = start(limits(1000, 10, 4, 4000), |s| s.max_connections = 1).await;
+    let g = start(limits(1000, 10, 4, 4000), |s| s.front.max_connections = 1).await;
     let addr = g.base.trim_start_matches("http://").to_string();
     // One client holds the only connection open (keep-alive, idle).
     let mut held = tokio::net::TcpStream::connect(&addr).await.unwrap();
@@ -86,8 +86,8 @@ async fn an_upstream_that_never_accepts_fails_at_the_connect_timeout() {
         upstream.clone(),
         limits(1000, 10, 4, 4000),
         |s| {
-            s.connect_timeout_ms = 300;
-            s.upstream_timeout_ms = 20_000;
+            s.timeouts.connect_timeout_ms = 300;
+            s.timeouts.upstream_timeout_ms = 20_000;
         },
         estimate(),
     )
@@ -110,7 +110,10 @@ async fn an_upstream_that_never_accepts_fails_at_the_connect_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_request_ends_at_its_lifetime() {
-    let g = start(limits(1000, 100, 4, 4000), |s| s.max_request_ms = 800).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.timeouts.max_request_ms = 800
+    })
+    .await;
     g.fake.delay_per_token_ms.store(100, Ordering::SeqCst);
     let t0 = Instant::now();
     let r = g
@@ -136,7 +139,10 @@ async fn the_lifetime_ends_a_relay_whose_upstream_never_waits() {
     // An upstream body that always has its next chunk at hand: the relay
     // never waits on it (so never on its timer), and must still end the
     // answer at the request's lifetime.
-    let g = start(limits(1000, 100, 4, 4000), |s| s.max_request_ms = 300).await;
+    let g = start(limits(1000, 100, 4, 4000), |s| {
+        s.timeouts.max_request_ms = 300
+    })
+    .await;
     let state = envelope_governor::AppState::new(g.gov.clone(), &g.upstream, estimate().unwrap());
     let endless = futures::stream::repeat_with(|| {
         Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"x"))
