@@ -10,6 +10,7 @@
 //! | reserved | a budget [`Hold`](crate::budget::Hold) (with budgets over time) | [`reserve`] | `reserve.rs` |
 //! | admitted | [`Placed`]: the permit, the hold, the plan | [`place`] (count, plan, reserve, admit) | `admit.rs` |
 //! | relayed | the answer's head, then its body frame by frame | [`send`], [`stream_back_with`] | `send.rs`, `relay.rs` |
+//! | or collected | the whole answer, relayed into the governor (tiers) | [`collect`] | `collect.rs` |
 //! | settled | [`Settlement`]: how the answer ended and what it used | [`Held::settle`] | `settle.rs` |
 //!
 //! Every ending of an admitted request (a whole answer, one cut short, a
@@ -19,6 +20,7 @@
 
 mod admit;
 mod app_state;
+mod collect;
 mod count;
 mod headers;
 mod plan;
@@ -32,8 +34,9 @@ pub(crate) mod timer;
 
 pub(crate) use admit::{place, Placed, Wait};
 pub use app_state::{upstream_client, AppState, ReloadHook};
+pub(crate) use collect::collect;
 pub(crate) use count::{count, Counted};
-pub(crate) use headers::{forward_headers, named, placed_headers, Extra, HOP_BY_HOP};
+pub(crate) use headers::{forward_headers, named, placed_headers, Extra};
 pub(crate) use plan::{plan_request, PlanInputs, Planned};
 pub use read::DEADLINE_HEADER;
 pub(crate) use read::{read_request, Incoming};

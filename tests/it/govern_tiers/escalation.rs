@@ -93,4 +93,16 @@ streams = "buffer"
         text.contains("\"model\":\"smollm2\"") && text.trim_end().ends_with("data: [DONE]"),
         "{text}"
     );
+    // Held whole, the stream still went through the governor's relay, so
+    // the tier up's governor took its time to the first chunk (and the
+    // latency guard its sample) as for a stream passed straight on; the
+    // calls before were not streams.
+    let page = gov.metrics_page().await;
+    let first_chunks = page
+        .lines()
+        .find(|l| {
+            l.starts_with("envelope_governor_time_to_first_chunk_seconds_count{tier=\"large\"")
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(first_chunks, Some(1.0), "{page}");
 }

@@ -576,7 +576,7 @@ mod tests {
     #[test]
     fn every_hop_by_hop_header_leaves_an_answer() {
         let mut h = HeaderMap::new();
-        for name in crate::request_path::HOP_BY_HOP {
+        for name in super::super::headers::HOP_BY_HOP {
             h.insert(*name, axum::http::HeaderValue::from_static("x"));
         }
         h.insert("content-type", axum::http::HeaderValue::from_static("a/b"));

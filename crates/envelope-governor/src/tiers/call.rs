@@ -19,7 +19,7 @@ use crate::front_door::FrontDoor;
 use crate::identity::Identity;
 use crate::refusal::RefusalCounter;
 use crate::request::Endpoint;
-use crate::request_path::{self as path, Counted, Ending, Incoming, Placed, Settlement, Wait};
+use crate::request_path::{self as path, Counted, Incoming, Placed, Settlement, Wait};
 use crate::settings::Settings;
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
@@ -166,9 +166,9 @@ impl TierRouter {
         let sent_at = Instant::now();
         let resp = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
         let prompt = placed.plan.prompt_tokens;
+        let placed_headers = path::placed_headers(&placed).collect();
         // Nothing (whole) came back: the prompt was sent, so book it.
-        let failed = |placed: Placed, s: Settlement| {
-            placed.held().settle(&s);
+        let book_prompt = || {
             let u = Usage {
                 prompt,
                 ..Usage::default()
@@ -178,63 +178,34 @@ impl TierRouter {
         let resp = match resp {
             Ok(r) => r,
             Err(e) => {
-                failed(placed, Settlement::of_failed_send(&e));
+                placed.held().settle(&Settlement::of_failed_send(&e));
+                book_prompt();
                 return Err(e);
             }
         };
-        let status = resp.status();
-        let mut headers = HeaderMap::new();
-        for (k, v) in resp.headers() {
-            if !path::HOP_BY_HOP.contains(&k.as_str()) {
-                headers.append(k.clone(), v.clone());
-            }
-        }
-        let left = call.inc.end.saturating_duration_since(Instant::now());
-        let body = match tokio::time::timeout(left, resp.bytes()).await {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
-                up.app.gov.note_upstream_error();
-                tracing::warn!("upstream {} failed mid-answer: {e}", up.spec.url);
-                failed(placed, Settlement::ended(Ending::Cut));
-                return Err(GovernError::UpstreamUnreachable(
-                    "the upstream failed mid-answer".into(),
-                ));
-            }
-            Err(_) => {
-                failed(placed, Settlement::ended(Ending::Cut));
-                return Err(GovernError::UpstreamTimeout(
-                    "the answer did not end within the request's lifetime".into(),
-                ));
+        // Read whole and settled as a client's answer is (usage, latency
+        // samples, faults), before the checks look at it.
+        let got = path::collect(&up.app, resp, placed.held(), sent_at, call.inc.end).await;
+        let got = match got {
+            Ok(c) => c,
+            Err(e) => {
+                book_prompt();
+                return Err(e);
             }
         };
-        let sse = headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        let answer = read_answer(&body, sse);
+        // Its usage (or its events less the `[DONE]`) is what it used.
+        let answer = read_answer(&got.body, got.sse);
         let usage = answer.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
             prompt,
             completion: answer.as_ref().map_or(0, |a| a.events.saturating_sub(1)),
             cached: 0,
         });
-        let placed_headers = path::placed_headers(&placed).collect();
-        // The whole answer, read here: its usage (or its events less the
-        // `[DONE]`) is what it used; a whole body is the upstream's time.
-        let ms = sent_at.elapsed().as_secs_f64() * 1000.0;
-        placed.held().settle(&Settlement {
-            refused_by_upstream: !status.is_success(),
-            prompt_tokens: Some(usage.prompt),
-            completion_tokens: Some(usage.completion),
-            events: None,
-            latency: (!sse).then_some((None, None, Some(ms))),
-            ..Settlement::ended(Ending::Whole)
-        });
         let cost = self.book_attempt(live, tier, &call.tag, &up.price, usage);
         Ok(Whole {
             tier,
-            status,
-            headers,
-            body,
+            status: got.status,
+            headers: got.headers,
+            body: got.body,
             answer,
             placed_headers,
             cost,

@@ -12,7 +12,7 @@ use super::check::{read_answer, Agreement, AssembledAnswer, Expect, Usage};
 use super::metrics::labels;
 use super::state::{Agreement as Tally, Live, TierRouter};
 use crate::identity::Identity;
-use crate::request_path::{self as path, Ending, Incoming, Settlement, Wait};
+use crate::request_path::{self as path, Incoming, Settlement, Wait};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -84,6 +84,7 @@ async fn shadow(
             _ => continue,
         };
         let parsed = up.body_for(&inc.parsed);
+        let sent_at = Instant::now();
         let resp = match path::send(&up.app, &settings, inc, &parsed, &placed).await {
             Ok(r) => r,
             Err(e) => {
@@ -91,33 +92,18 @@ async fn shadow(
                 return None;
             }
         };
-        let sse = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        let ok = resp.status().is_success();
-        let left = inc.end.saturating_duration_since(Instant::now());
-        let body = match tokio::time::timeout(left, resp.bytes()).await {
-            Ok(Ok(b)) => b,
-            _ => {
-                placed.held().settle(&Settlement::ended(Ending::Cut));
-                return None;
-            }
+        let prompt = placed.plan.prompt_tokens;
+        let got = path::collect(&up.app, resp, placed.held(), sent_at, inc.end).await;
+        let Ok(got) = got else {
+            return None;
         };
-        let theirs = read_answer(&body, sse);
+        let theirs = read_answer(&got.body, got.sse);
         let u = theirs.as_ref().and_then(|a| a.usage).unwrap_or(Usage {
-            prompt: placed.plan.prompt_tokens,
+            prompt,
             ..Usage::default()
         });
         r.book_shadow(live, up_tier, tag, &up.price, u);
-        placed.held().settle(&Settlement {
-            refused_by_upstream: !ok,
-            prompt_tokens: Some(u.prompt),
-            completion_tokens: Some(u.completion),
-            ..Settlement::ended(Ending::Whole)
-        });
-        if !ok {
+        if !got.status.is_success() {
             return None;
         }
         return Some(Agreement::of(expect).agree(answer, &theirs?));
