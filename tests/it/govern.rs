@@ -144,7 +144,7 @@ async fn overload_direct_preempts_governed_does_not() {
     );
     let m = gov.metrics_page().await;
     assert!(
-        m.contains("envelope_governor_rejections_total{reason=\"queue_full\"}"),
+        m.contains("envelope_governor_rejections_total{mode=\"single\",reason=\"queue_full\"}"),
         "{m}"
     );
     let _ = std::fs::remove_dir_all(dir);

@@ -301,8 +301,10 @@ async fn shadow_budgets_refuse_nothing_and_count_what_they_would_have() {
     for g in &gs {
         would += g.metric(series).await;
         assert_eq!(
-            g.metric("envelope_governor_rejections_total{reason=\"budget_exceeded\"}")
-                .await,
+            g.metric(
+                "envelope_governor_rejections_total{mode=\"single\",reason=\"budget_exceeded\"}"
+            )
+            .await,
             0.0
         );
     }

@@ -177,6 +177,20 @@ async fn a_full_envelope_and_a_drain_read_the_same_but_for_the_wait() {
     let b = raw_call(&tiers.base, &body, &deadline).await;
     assert_eq!(a.0, 429, "{a:?}");
     same_but_the_wait("a full envelope", &a, &b);
+    // Each counts it in the one family of refusals, under its mode.
+    let counted = |page: String, mode: &str| {
+        let series = format!("envelope_governor_rejections_total{{mode=\"{mode}\",reason=\"");
+        page.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()).map(str::to_string))
+    };
+    let (in_single, in_tiers) = (
+        counted(single.metrics_page().await, "single"),
+        counted(tiers.metrics_page().await, "tiers"),
+    );
+    assert!(
+        in_single.as_deref().is_some_and(|s| s.ends_with("\"} 1")) && in_single == in_tiers,
+        "{in_single:?} {in_tiers:?}"
+    );
     // A drain: new calls get 503 while the held streams finish.
     single.signal("-TERM");
     tiers.signal("-TERM");

@@ -126,7 +126,7 @@ impl GovernError {
     }
 
     /// The reason label used in responses' logs and in
-    /// `envelope_governor_rejections_total{reason}`.
+    /// `envelope_governor_rejections_total{mode, reason}`.
     pub fn reason(&self) -> &'static str {
         match self {
             GovernError::Invalid { .. } => "invalid_request",

@@ -98,6 +98,14 @@ pub struct Metrics {
     pub budget_decision: Histogram,
 }
 
+/// The one family of refusals the governor answers itself, in both modes:
+/// its name and help, the same on every registry that counts them (the
+/// tiers' page merges them into one family).
+pub const REJECTIONS: (&str, &str) = (
+    "envelope_governor_rejections",
+    "Requests refused by the governor itself, by front end (mode: single, tiers) and reason",
+);
+
 pub fn label(k: &str, v: &str) -> Labels {
     vec![(k.to_string(), v.to_string())]
 }
@@ -271,11 +279,7 @@ impl Metrics {
             "The enforced profile (value 1)",
             m.profile_info
         );
-        reg!(
-            "envelope_governor_rejections",
-            "Requests refused, by reason",
-            m.rejections
-        );
+        reg!(REJECTIONS.0, REJECTIONS.1, m.rejections);
         reg!(
             "envelope_governor_admitted",
             "Requests admitted upstream, by endpoint",
@@ -385,10 +389,13 @@ impl Metrics {
         s
     }
 
+    /// Counts a refusal of the single-upstream front end.
     pub fn reject(&self, reason: &str) {
-        self.rejections
-            .get_or_create(&label("reason", reason))
-            .inc();
+        let l = vec![
+            ("mode".to_string(), "single".to_string()),
+            ("reason".to_string(), reason.to_string()),
+        ];
+        self.rejections.get_or_create(&l).inc();
     }
 }
 
@@ -409,7 +416,9 @@ mod tests {
         m.in_flight_sequences.set(3);
         let text = m.render();
         assert!(
-            text.contains("envelope_governor_rejections_total{reason=\"queue_full\"} 1"),
+            text.contains(
+                "envelope_governor_rejections_total{mode=\"single\",reason=\"queue_full\"} 1"
+            ),
             "{text}"
         );
         assert!(text.contains("envelope_governor_in_flight_sequences 3"));

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 pub(crate) const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
 pub(crate) const CLASS_HEADER: HeaderName = HeaderName::from_static(crate::identity::CLASS_HEADER);
 
-/// Where refusals are counted by reason: the governor's
-/// `envelope_governor_rejections_total` or the tiers'
-/// `envelope_tier_refusals_total`.
+/// Where refusals are counted by reason: one family,
+/// `envelope_governor_rejections_total{mode, reason}`, counted by the
+/// governor over one upstream (`single`) or the tiers' router (`tiers`).
 pub(crate) trait RefusalCounter {
     fn count_refusal(&self, reason: &'static str);
 }

@@ -40,7 +40,8 @@ pub struct TierMetrics {
     pub shadow: Family<Labels, Counter>,
     /// {tier, feature}: what shadow calls cost (calibration spend).
     pub shadow_cost: Family<Labels, Counter<f64, AtomicU64>>,
-    /// {reason}: calls the router refused (the governor error's label).
+    /// {mode = tiers, reason}: calls the router refused (the governor
+    /// error's label), in the governor's one family of refusals.
     pub refusals: Family<Labels, Counter>,
     /// {feature}: 1 while its mean cost per call is over its allowance.
     pub over_budget: Family<Labels, Gauge>,
@@ -119,11 +120,8 @@ impl TierMetrics {
             "Cost units of shadow calls, by the tier that served them and feature",
             m.shadow_cost.clone(),
         );
-        r.register(
-            "envelope_tier_refusals",
-            "Calls refused, by reason (4xx and 5xx the governor answered itself)",
-            m.refusals.clone(),
-        );
+        let (name, help) = crate::metrics::REJECTIONS;
+        r.register(name, help, m.refusals.clone());
         r.register(
             "envelope_tier_feature_over_budget",
             "1 while a feature's mean cost per call is over its allowance",
@@ -240,7 +238,7 @@ pub fn merge(parts: &[(Labels, String)]) -> String {
 impl crate::refusal::RefusalCounter for TierMetrics {
     fn count_refusal(&self, reason: &'static str) {
         self.refusals
-            .get_or_create(&labels(&[("reason", reason)]))
+            .get_or_create(&labels(&[("mode", "tiers"), ("reason", reason)]))
             .inc();
     }
 }
@@ -265,6 +263,8 @@ mod tests {
                 ("outcome", "ok"),
             ]))
             .inc();
+        // The router's own refusal, in the same family.
+        crate::refusal::RefusalCounter::count_refusal(&t, "queue_full");
         let text = merge(&[
             (vec![], t.render()),
             (labels(&[("tier", "small"), ("upstream", "0")]), a.render()),
@@ -277,8 +277,14 @@ mod tests {
         );
         assert_eq!(text.matches("# EOF").count(), 1);
         assert!(text.contains(
-            "envelope_governor_rejections_total{tier=\"small\",upstream=\"0\",reason=\"queue_full\"} 1"
+            "envelope_governor_rejections_total{tier=\"small\",upstream=\"0\",mode=\"single\",reason=\"queue_full\"} 1"
         ));
+        assert!(
+            text.contains(
+                "envelope_governor_rejections_total{mode=\"tiers\",reason=\"queue_full\"} 1"
+            ),
+            "{text}"
+        );
         assert!(
             text.contains("envelope_governor_in_flight_sequences{tier=\"large\",upstream=\"0\"} 5")
         );

@@ -123,11 +123,15 @@ async fn bad_input_is_a_clear_4xx_and_never_forwarded() {
     );
     let m = g.metrics().await;
     assert!(
-        m.contains("envelope_governor_rejections_total{reason=\"invalid_request\"} 12"),
+        m.contains(
+            "envelope_governor_rejections_total{mode=\"single\",reason=\"invalid_request\"} 12"
+        ),
         "{m}"
     );
     assert!(
-        m.contains("envelope_governor_rejections_total{reason=\"body_too_large\"} 2"),
+        m.contains(
+            "envelope_governor_rejections_total{mode=\"single\",reason=\"body_too_large\"} 2"
+        ),
         "{m}"
     );
     assert_eq!(g.state().await["in_flight"]["requests"], 0);

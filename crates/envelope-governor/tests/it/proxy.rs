@@ -290,7 +290,7 @@ async fn never_fitting_requests_are_400_not_429() {
     assert_eq!(g.fake.requests.load(Ordering::SeqCst), 0);
     let m = g.metrics().await;
     assert!(
-        m.contains("envelope_governor_rejections_total{reason=\"never_fits\"} 2"),
+        m.contains("envelope_governor_rejections_total{mode=\"single\",reason=\"never_fits\"} 2"),
         "{m}"
     );
 }
@@ -385,7 +385,7 @@ async fn full_queue_refuses_with_429_and_retry_after() {
     );
     let m = g.metrics().await;
     assert!(
-        m.contains("envelope_governor_rejections_total{reason=\"queue_full\"} 4"),
+        m.contains("envelope_governor_rejections_total{mode=\"single\",reason=\"queue_full\"} 4"),
         "{m}"
     );
 }
