@@ -5,7 +5,7 @@
 
 use crate::error::StartError;
 use crate::settings::{self, SettingsDraft};
-use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, TenantsFile};
+use crate::{live_guard, Beyond, OverBudget, OverLimit, Settings, TenantsSettings};
 use clap::Args;
 use envelope_profile::{Limits, Profile};
 use serde::{Deserialize, Serialize};
@@ -482,7 +482,7 @@ impl GovernArgs {
         }
         if let Some(p) = &self.tenants {
             let t = read("--tenants", p)?;
-            s.tenants = TenantsFile::from_toml(&t, &p.display().to_string())
+            s.tenants = TenantsSettings::from_toml(&t, &p.display().to_string())
                 .map_err(StartError::Invalid)?;
         }
         if let Some(v) = self.guard_small_kv {

@@ -11,7 +11,7 @@
 
 use crate::error::GovernError;
 use crate::queue::Class;
-use crate::settings::{valid_tenant_name, TenantsFile, MAX_TENANT_NAME};
+use crate::settings::{valid_tenant_name, TenantsSettings, MAX_TENANT_NAME};
 use axum::http::header::AUTHORIZATION;
 use axum::http::{HeaderMap, HeaderName};
 
@@ -51,7 +51,7 @@ fn bearer(h: &HeaderMap) -> Option<&str> {
 /// # Errors
 /// 401 when API keys are configured and the request has none that is
 /// known; 400 when the trusted header holds no valid tenant name.
-pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
+pub fn tenant(t: &TenantsSettings, h: &HeaderMap) -> Result<String, GovernError> {
     if let Some(name) = t.trusted_header.as_deref().and_then(|n| h.get(n)) {
         let name = name.to_str().unwrap_or("").trim();
         if !valid_tenant_name(name) {
@@ -89,7 +89,7 @@ pub fn tenant(t: &TenantsFile, h: &HeaderMap) -> Result<String, GovernError> {
 /// # Errors
 /// 400 for a class header that is neither `interactive` nor `batch`; 403
 /// for a class the tenant may not use.
-pub fn class(t: &TenantsFile, tenant: &str, h: &HeaderMap) -> Result<Class, GovernError> {
+pub fn class(t: &TenantsSettings, tenant: &str, h: &HeaderMap) -> Result<Class, GovernError> {
     let allowed = t.classes_of(tenant);
     let Some(v) = h.get(CLASS_NAME) else {
         // Most requests: no class header and no objectives configured; a
@@ -123,7 +123,7 @@ pub fn class(t: &TenantsFile, tenant: &str, h: &HeaderMap) -> Result<Class, Gove
 }
 
 /// Both, for a request's headers.
-pub fn identify(t: &TenantsFile, h: &HeaderMap) -> Result<Identity, GovernError> {
+pub fn identify(t: &TenantsSettings, h: &HeaderMap) -> Result<Identity, GovernError> {
     let tenant = tenant(t, h)?;
     let class = class(t, &tenant, h)?;
     Ok(Identity { tenant, class })
@@ -160,13 +160,13 @@ mod tests {
         h
     }
 
-    fn file(text: &str) -> TenantsFile {
-        TenantsFile::from_toml(text, "t.toml").unwrap()
+    fn file(text: &str) -> TenantsSettings {
+        TenantsSettings::from_toml(text, "t.toml").unwrap()
     }
 
     #[test]
     fn a_client_named_tenant_counts_for_nothing() {
-        let t = TenantsFile::default();
+        let t = TenantsSettings::default();
         let h = headers(&[("x-envelope-tenant", "alice")]);
         assert_eq!(tenant(&t, &h).unwrap(), DEFAULT_TENANT);
     }
@@ -230,12 +230,12 @@ mod tests {
         let h = headers(&[("x-objective", "nightly")]);
         assert_eq!(class(&named, "default", &h).unwrap(), Class::Batch);
         assert!(
-            TenantsFile::from_toml("[objective_classes]\n\"a b\" = \"batch\"\n", "t.toml")
+            TenantsSettings::from_toml("[objective_classes]\n\"a b\" = \"batch\"\n", "t.toml")
                 .unwrap_err()
                 .contains("objective_classes")
         );
         assert!(
-            TenantsFile::from_toml("fairness_header = \"a b\"\n", "t.toml")
+            TenantsSettings::from_toml("fairness_header = \"a b\"\n", "t.toml")
                 .unwrap_err()
                 .contains("fairness_header")
         );

@@ -55,5 +55,7 @@ pub use latency::LatencySettings;
 pub use ledger::{Demand, Share};
 pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
 pub use queue::Class;
-pub use settings::{Beyond, OverBudget, OverLimit, Settings, SettingsDraft, TenantsFile};
+pub use settings::{
+    Beyond, OverBudget, OverLimit, Settings, SettingsDraft, TenantsConfig, TenantsSettings,
+};
 pub use tokens::{CountSource, TokenCounter};

@@ -121,9 +121,11 @@ fn one() -> f64 {
     1.0
 }
 
+/// A tenants file as written (`--tenants`); [`TenantsSettings::from_toml`]
+/// checks it.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TenantsFile {
+pub struct TenantsConfig {
     /// A header a trusted front proxy sets to the tenant's name (the
     /// governor must then be reachable only through that proxy).
     #[serde(default)]
@@ -152,14 +154,11 @@ pub struct TenantsFile {
     pub default_classes: Option<Vec<Class>>,
     #[serde(default)]
     pub tenants: HashMap<String, TenantConfig>,
-    /// API key -> tenant, built by [`TenantsFile::from_toml`] / [`TenantsFile::index`].
-    #[serde(skip)]
-    keys: HashMap<String, String>,
 }
 
-impl Default for TenantsFile {
+impl Default for TenantsConfig {
     fn default() -> Self {
-        TenantsFile {
+        TenantsConfig {
             trusted_header: None,
             fairness_header: None,
             objective_header: None,
@@ -167,17 +166,39 @@ impl Default for TenantsFile {
             default_burst: 1.0,
             default_classes: None,
             tenants: HashMap::new(),
-            keys: HashMap::new(),
         }
+    }
+}
+
+/// The tenants the governor runs on: a tenants file that passed every
+/// check, with its API keys indexed (none: everyone is `default`). Read
+/// through `Deref`.
+#[derive(Debug, Clone, Default)]
+pub struct TenantsSettings {
+    config: TenantsConfig,
+    /// API key -> tenant.
+    keys: HashMap<String, String>,
+}
+
+impl std::ops::Deref for TenantsSettings {
+    type Target = TenantsConfig;
+    fn deref(&self) -> &TenantsConfig {
+        &self.config
     }
 }
 
 /// The longest tenant name a trusted header may carry.
 pub use crate::names::{valid_tenant_name, MAX_TENANT_NAME};
 
-impl TenantsFile {
-    pub fn from_toml(text: &str, path: &str) -> Result<TenantsFile, String> {
-        let mut t: TenantsFile = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
+impl TenantsSettings {
+    /// Parses and checks a tenants file (`path` names it in errors).
+    ///
+    /// # Errors
+    /// Not TOML of these fields, shares that do not fit together, a weight
+    /// not positive, a bad tenant, objective or header name, an empty or
+    /// shared API key, an empty class list.
+    pub fn from_toml(text: &str, path: &str) -> Result<TenantsSettings, String> {
+        let mut t: TenantsConfig = toml::from_str(text).map_err(|e| format!("{path}: {e}"))?;
         t.shares()
             .and_then(|s| validate_shares(&s))
             .map_err(|e| format!("{path}: {e}"))?;
@@ -240,17 +261,12 @@ impl TenantsFile {
                 "{path}: `objective_classes`: `{o}` is not a valid objective name (1 to 64 of A-Z a-z 0-9 . _ - : @ /)"
             ));
         }
-        t.index();
-        Ok(t)
-    }
-
-    /// Builds the API key index (after the tenants were set by hand).
-    pub fn index(&mut self) {
-        self.keys = self
+        let keys = t
             .tenants
             .iter()
             .flat_map(|(name, spec)| spec.api_keys.iter().map(move |k| (k.clone(), name.clone())))
             .collect();
+        Ok(TenantsSettings { config: t, keys })
     }
 
     /// Whether any tenant has API keys (then every request needs one).
@@ -258,6 +274,14 @@ impl TenantsFile {
         !self.keys.is_empty()
     }
 
+    /// Tenant of an API key (the bearer token), if mapped. A hash lookup:
+    /// its time does not depend on how much of a key matches.
+    pub fn tenant_of_key(&self, key: &str) -> Option<&str> {
+        self.keys.get(key).map(String::as_str)
+    }
+}
+
+impl TenantsConfig {
     /// The classes `tenant` may use, its default first.
     pub fn classes_of(&self, tenant: &str) -> &[Class] {
         const BOTH: &[Class] = &[Class::Interactive, Class::Batch];
@@ -290,12 +314,6 @@ impl TenantsFile {
             .map(|(k, v)| (k.clone(), v.weight))
             .collect()
     }
-
-    /// Tenant of an API key (the bearer token), if mapped. A hash lookup:
-    /// its time does not depend on how much of a key matches.
-    pub fn tenant_of_key(&self, key: &str) -> Option<&str> {
-        self.keys.get(key).map(String::as_str)
-    }
 }
 
 /// Everything the governor enforces, not yet checked: defaults from
@@ -313,7 +331,7 @@ pub struct SettingsDraft {
     pub timeouts: TimeoutSettings,
     /// Counting prompt tokens.
     pub counting: CountingSettings,
-    pub tenants: TenantsFile,
+    pub tenants: TenantsSettings,
     pub ladder: LadderSettings,
     pub admin_token: Option<String>,
     pub profile_id: String,
@@ -381,7 +399,7 @@ impl SettingsDraft {
             counting: CountingSettings::default(),
             limits,
             over_limit: OverLimit::Clamp,
-            tenants: TenantsFile::default(),
+            tenants: TenantsSettings::default(),
             ladder: LadderSettings::default(),
             admin_token: None,
             profile_id: profile_id.into(),
@@ -516,7 +534,7 @@ mod tests {
 
     #[test]
     fn tenants_file_parses_and_validates() {
-        let t = TenantsFile::from_toml(
+        let t = TenantsSettings::from_toml(
             r#"
             [tenants.alice]
             guaranteed = 0.5
@@ -541,7 +559,7 @@ mod tests {
             "[tenants.a]\nguarantee = 0.1",
             "default_burst = 2.0",
         ] {
-            let e = TenantsFile::from_toml(bad, "t.toml").unwrap_err();
+            let e = TenantsSettings::from_toml(bad, "t.toml").unwrap_err();
             assert!(e.starts_with("t.toml"), "{e}");
         }
     }

@@ -32,5 +32,5 @@ mod start;
 mod state;
 mod stream;
 
-pub use config::TiersFile;
+pub use config::TiersSettings;
 pub use start::run;

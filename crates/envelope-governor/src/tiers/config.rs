@@ -9,10 +9,10 @@ use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The whole file, as written.
+/// The whole file, as written; [`TiersSettings::from_toml`] checks it.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TiersFile {
+pub struct TiersConfig {
     /// The operator's label for this version of the routing (shown in
     /// responses' `x-envelope-tiers-version`, `/metrics` and `/admin/tiers`).
     pub version: String,
@@ -249,16 +249,28 @@ impl Default for ShadowConfig {
 
 pub use crate::identity::{valid_name, MAX_FEATURE_NAME};
 
-impl TiersFile {
-    /// Parses and validates `text`, read from `path`; relative paths in it
+/// The tiers the router runs on: a tiers file that passed every check,
+/// its relative paths made relative to its folder. Read through `Deref`.
+#[derive(Debug, Clone)]
+pub struct TiersSettings(TiersConfig);
+
+impl std::ops::Deref for TiersSettings {
+    type Target = TiersConfig;
+    fn deref(&self) -> &TiersConfig {
+        &self.0
+    }
+}
+
+impl TiersSettings {
+    /// Parses and checks `text`, read from `path`; relative paths in it
     /// are made relative to the file's folder.
     ///
     /// # Errors
     /// `path: field: what is wrong`, for the first thing wrong.
-    pub fn from_toml(text: &str, path: &Path) -> Result<TiersFile, String> {
+    pub fn from_toml(text: &str, path: &Path) -> Result<TiersSettings, String> {
         let shown = path.display();
-        let mut f: TiersFile = toml::from_str(text).map_err(|e| format!("{shown}: {e}"))?;
-        f.validate().map_err(|e| format!("{shown}: {e}"))?;
+        let mut f: TiersConfig = toml::from_str(text).map_err(|e| format!("{shown}: {e}"))?;
+        f.check().map_err(|e| format!("{shown}: {e}"))?;
         let base = path.parent().unwrap_or(Path::new("."));
         for t in f.tiers.values_mut() {
             for u in &mut t.upstreams {
@@ -273,9 +285,11 @@ impl TiersFile {
                 "{shown}: calls_log is replaced by `envelope govern --record FILE`: one line per call in the trace format, the routing under `tiers` (docs/govern.md#recording-traffic)"
             ));
         }
-        Ok(f)
+        Ok(TiersSettings(f))
     }
+}
 
+impl TiersConfig {
     /// The index of tier `name` in `order`.
     pub fn index(&self, name: &str) -> Option<usize> {
         self.order.iter().position(|t| t == name)
@@ -291,7 +305,7 @@ impl TiersFile {
     }
 
     /// Everything that would make routing wrong, named by field.
-    pub fn validate(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), String> {
         if self.version.trim().is_empty() {
             return Err("version: must not be empty".into());
         }
@@ -436,8 +450,8 @@ prompt_tokens_over = 1000
 small = ["large"]
 "#;
 
-    fn parse(text: &str) -> Result<TiersFile, String> {
-        TiersFile::from_toml(text, Path::new("/etc/envelope/tiers.toml"))
+    fn parse(text: &str) -> Result<TiersSettings, String> {
+        TiersSettings::from_toml(text, Path::new("/etc/envelope/tiers.toml"))
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! them names wins, so raising one signal past its threshold can only move
 //! a call up. Pure functions.
 
-use super::config::{RuleConfig, TiersFile};
+use super::config::{RuleConfig, TiersSettings};
 use serde_json::{Map, Value};
 
 /// What routing looks at.
@@ -95,7 +95,7 @@ fn matches(r: &RuleConfig, s: &Signals) -> bool {
 }
 
 /// The starting tier of a call with `signals`.
-pub fn route(f: &TiersFile, signals: &Signals) -> Route {
+pub fn route(f: &TiersSettings, signals: &Signals) -> Route {
     let mut best = Route {
         tier: 0,
         reason: "default".into(),
@@ -128,7 +128,7 @@ mod tests {
     use serde_json::json;
     use std::path::Path;
 
-    fn file() -> TiersFile {
+    fn file() -> TiersSettings {
         let text = r#"
 version = "v1"
 order = ["small", "standard", "large"]
@@ -176,7 +176,7 @@ name = "escalated"
 tier = "standard"
 escalated_before = true
 "#;
-        TiersFile::from_toml(text, Path::new("t.toml")).unwrap()
+        TiersSettings::from_toml(text, Path::new("t.toml")).unwrap()
     }
 
     fn at(s: Signals) -> (usize, String, bool) {

@@ -6,7 +6,7 @@
 //! /admin/tiers/rollback`), and the drain at SIGTERM.
 
 use super::call;
-use super::config::{PriceConfig, TiersFile, UpstreamConfig};
+use super::config::{PriceConfig, TiersSettings, UpstreamConfig};
 use super::cost::Price;
 use super::metrics::{labels, merge};
 use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
@@ -51,9 +51,9 @@ pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     rt.block_on(run_async(args, path))
 }
 
-fn read_file(path: &Path) -> Result<(TiersFile, String), StartError> {
+fn read_file(path: &Path) -> Result<(TiersSettings, String), StartError> {
     let text = crate::config::read("--tiers", path)?;
-    let file = TiersFile::from_toml(&text, path).map_err(StartError::Invalid)?;
+    let file = TiersSettings::from_toml(&text, path).map_err(StartError::Invalid)?;
     Ok((file, text))
 }
 
@@ -152,7 +152,7 @@ async fn upstream(
 /// changes in force until all of it is valid.
 async fn build(
     args: &GovernArgs,
-    (file, text): (TiersFile, String),
+    (file, text): (TiersSettings, String),
     current: Option<&Live>,
 ) -> Result<Live, StartError> {
     let mut tiers = vec![];

@@ -4,7 +4,7 @@
 //! conversations that escalated, shadow agreement and the recorder.
 
 use super::cache::AnswerCache;
-use super::config::{TiersFile, UpstreamConfig};
+use super::config::{TiersSettings, UpstreamConfig};
 use super::cost::{Book, Price};
 use super::metrics::{labels, TierMetrics};
 use crate::config::GovernArgs;
@@ -72,7 +72,7 @@ pub struct Tier {
 
 /// One version of the tiers file, running.
 pub struct Live {
-    pub file: TiersFile,
+    pub file: TiersSettings,
     /// The file as read (a reload of the same text is no new version).
     pub text: String,
     /// In the file's `order`, cheapest first.

@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::*;
-use envelope_governor::{live_guard, Level, TenantsFile, TokenCounter};
+use envelope_governor::{live_guard, Level, TenantsSettings, TokenCounter};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -139,7 +139,7 @@ async fn metrics_absent_from_the_start_do_not_tighten() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 8)]
 async fn a_tenant_at_its_ceiling_does_not_block_another() {
-    let tenants = TenantsFile::from_toml(
+    let tenants = TenantsSettings::from_toml(
         r#"
         [tenants.hog]
         burst = 0.5

@@ -7,15 +7,15 @@
 use crate::common;
 
 use common::*;
-use envelope_governor::{TenantsFile, TokenCounter};
+use envelope_governor::{TenantsSettings, TokenCounter};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn tenants(text: &str) -> TenantsFile {
-    TenantsFile::from_toml(text, "tenants.toml").unwrap()
+fn tenants(text: &str) -> TenantsSettings {
+    TenantsSettings::from_toml(text, "tenants.toml").unwrap()
 }
 
 fn estimate() -> Option<TokenCounter> {
