@@ -560,7 +560,7 @@ def main():
             continue
         if not text:
             continue  # profile.json, copied in from the sweep
-        sources, struct = (BENCH_CONFIG, "RawConfig") if what == ["bench"] else (TENANTS, "TenantsFile")
+        sources, struct = (BENCH_CONFIG, "RawConfig") if what == ["bench"] else (TENANTS, "TenantsConfig")
         if key.endswith(".toml"):
             try:
                 data = tomllib.loads(text)

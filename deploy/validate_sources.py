@@ -13,7 +13,7 @@ GOVERNOR_SRC = "crates/envelope-governor/src"
 GOVERN_ARGS = ("crates/envelope-governor/src/config.rs", "GovernArgs")
 SWEEP_ARGS = ("src/cli.rs", "SweepArgs")
 # Where the structs of a bench config (RawConfig) and a tenants file
-# (TenantsFile) and the structs they hold are defined.
+# (TenantsConfig) and the structs they hold are defined.
 BENCH_CONFIG = ["crates/envelope-harness/src/config.rs", "crates/envelope-profile/src/schema.rs"]
 TENANTS = ["crates/envelope-governor/src/settings.rs"]
 # Labels the Prometheus Operator puts on every target; `le` of histograms.
@@ -305,11 +305,12 @@ def flag_value(args, flag):
 
 
 def default_list(fn_name, flag, args):
-    """A governor path list: the flag's value, else the default in settings.rs."""
+    """A governor path list: the flag's value, else the default in the
+    settings' groups (settings/groups.rs)."""
     given = flag_value(args, flag)
     if given is not None:
         return given.split(",")
-    text = read(os.path.join(GOVERNOR_SRC, "settings.rs"))
+    text = read(os.path.join(GOVERNOR_SRC, "settings", "groups.rs"))
     m = re.search(r"fn " + fn_name + r"\(", text)
     return re.findall(r'"([^"]+)"', rust_block(text, m.start())) if m else []
 

@@ -279,7 +279,13 @@ impl Metrics {
             "The enforced profile (value 1)",
             m.profile_info
         );
-        reg!(REJECTIONS.0, REJECTIONS.1, m.rejections);
+        // The same name and help as REJECTIONS (a test holds them equal),
+        // written out so deploy/validate.py reads the registration.
+        reg!(
+            "envelope_governor_rejections",
+            "Requests refused by the governor itself, by front end (mode: single, tiers) and reason",
+            m.rejections
+        );
         reg!(
             "envelope_governor_admitted",
             "Requests admitted upstream, by endpoint",
@@ -422,6 +428,8 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("envelope_governor_in_flight_sequences 3"));
+        let (name, help) = REJECTIONS;
+        assert!(text.contains(&format!("# HELP {name} {help}.\n")), "{text}");
         assert!(text.contains("envelope_governor_queue_age_seconds_bucket"));
         for line in text
             .lines()
