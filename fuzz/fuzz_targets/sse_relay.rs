@@ -30,7 +30,9 @@ fn world() -> &'static World {
             max_kv_tokens_in_flight: 1 << 30,
             buckets: vec![],
         };
-        let settings = SettingsDraft::new(limits, "fuzz").check().expect("valid settings");
+        let settings = SettingsDraft::new(limits, "fuzz")
+            .check()
+            .expect("valid settings");
         let gov = Governor::new(settings);
         let state = AppState::new(
             gov,
