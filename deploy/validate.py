@@ -9,7 +9,8 @@ deploy/requirements-validate.txt; nothing here uses the network).
    deploy/schemas/servicemonitor-monitoring-v1.json; duplicate YAML keys fail.
 2. Every metric name in the Grafana dashboard's PromQL, the HPA and the
    prometheus-adapter rules is one the governor exposes: the names
-   registered in crates/envelope-governor/src (metrics.rs, tiers/metrics.rs),
+   registered in crates/envelope-governor/src (metrics.rs) and
+   crates/envelope-router/src (metrics.rs),
    with prometheus-client's suffixes (counters `_total`, histograms
    `_bucket`/`_sum`/`_count`) and the registry's prefix; every label they
    match or group by is one the governor's sources set or Prometheus adds.

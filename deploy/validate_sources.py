@@ -10,6 +10,9 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOVERNOR_SRC = "crates/envelope-governor/src"
+# The sources whose metrics a governor serves: its own and, with --tiers,
+# the router's (one /metrics page).
+METRICS_SRC = (GOVERNOR_SRC, "crates/envelope-router/src")
 GOVERN_ARGS = ("crates/envelope-governor/src/config.rs", "GovernArgs")
 SWEEP_ARGS = ("src/cli.rs", "SweepArgs")
 # Where the structs of a bench config (RawConfig) and a tenants file
@@ -176,8 +179,8 @@ REG = re.compile(
 def governor_metrics():
     """{exposed series name: (registered name, kind)} from the governor's sources."""
     out = {}
-    base = os.path.join(ROOT, GOVERNOR_SRC)
-    for dirpath, _, files in os.walk(base):
+    walked = [w for src in METRICS_SRC for w in sorted(os.walk(os.path.join(ROOT, src)))]
+    for dirpath, _, files in walked:
         for fn in sorted(files):
             if not fn.endswith(".rs"):
                 continue
@@ -246,7 +249,8 @@ def promql_metrics(expr):
 def governor_labels():
     """Label names the governor's sources give metrics, and the targets' own."""
     out = set(TARGET_LABELS)
-    for dirpath, _, files in os.walk(os.path.join(ROOT, GOVERNOR_SRC)):
+    walked = [w for src in METRICS_SRC for w in os.walk(os.path.join(ROOT, src))]
+    for dirpath, _, files in walked:
         for fn in files:
             if fn.endswith(".rs"):
                 text = read(os.path.join(dirpath, fn))

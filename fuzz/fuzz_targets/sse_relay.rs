@@ -5,7 +5,9 @@
 #![no_main]
 
 use bytes::Bytes;
-use envelope_governor::{relay, Answer, AppState, Ask, Governor, SettingsDraft, TokenCounter};
+use envelope_governor::{
+    relay, Answer, Ask, GovernedUpstream, Governor, SettingsDraft, TokenCounter,
+};
 use futures::StreamExt;
 use libfuzzer_sys::fuzz_target;
 use std::sync::{Arc, OnceLock};
@@ -13,7 +15,7 @@ use std::time::{Duration, Instant};
 
 struct World {
     rt: tokio::runtime::Runtime,
-    state: AppState,
+    state: GovernedUpstream,
 }
 
 fn world() -> &'static World {
@@ -34,7 +36,7 @@ fn world() -> &'static World {
             .check()
             .expect("valid settings");
         let gov = Governor::new(settings);
-        let state = AppState::new(
+        let state = GovernedUpstream::new(
             gov,
             "http://127.0.0.1:9",
             TokenCounter::Estimate {

@@ -16,7 +16,7 @@
 
 use axum::routing::post;
 use axum::{Json, Router};
-use envelope_governor::{AppState, Governor, SettingsDraft, TokenCounter};
+use envelope_governor::{GovernedUpstream, Governor, SettingsDraft, TokenCounter};
 use envelope_profile::Limits;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
@@ -158,7 +158,7 @@ fn main() {
             let mut s = SettingsDraft::new(limits, "overhead");
             s.queue.max_queue_len = 100_000;
             let gov = Governor::new(s.check().expect("valid settings"));
-            let mut state = AppState::new(
+            let mut state = GovernedUpstream::new(
                 gov.clone(),
                 &upstream,
                 TokenCounter::Estimate {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// A file a setting names, or an error naming the setting and the file.
-pub(crate) fn read(what: &'static str, path: &Path) -> Result<String, StartError> {
+pub fn read(what: &'static str, path: &Path) -> Result<String, StartError> {
     std::fs::read_to_string(path).map_err(|cause| StartError::Read {
         what,
         path: path.to_path_buf(),

@@ -1,16 +1,16 @@
-//! The one way into the governed endpoints, for both modes (one upstream,
-//! or model tiers): the cheap refusals first (nothing is read or counted
+//! The one way into the governed endpoints, for both front ends (one
+//! upstream, or the model tiers' router): the cheap refusals first (nothing is read or counted
 //! for a request that would be refused anyway), then who the caller is,
 //! then the mode's own path ([`FrontDoor::serve`]); every refusal goes
 //! through [`crate::refusal::refuse`], and every answer, refused or not,
 //! names the tenant and class it was charged to.
 
 use crate::error::GovernError;
-use crate::identity::{self, Identity};
+use crate::identity::Identity;
 use crate::refusal::{self, RefusalCounter};
 use crate::request::Endpoint;
-use crate::settings::Settings;
 use axum::extract::{Request, State};
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use axum::Router;
@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// What a mode supplies to the front door.
-pub(crate) trait FrontDoor: Send + Sync + 'static {
+pub trait FrontDoor: Send + Sync + 'static {
     /// Refusals that need nothing read: draining, the guard refusing new
     /// work, a full queue.
     ///
@@ -27,8 +27,11 @@ pub(crate) trait FrontDoor: Send + Sync + 'static {
     /// The refusal.
     fn precheck(&self) -> Result<(), GovernError>;
 
-    /// The settings that name tenants, keys and classes.
-    fn settings(&self) -> Arc<Settings>;
+    /// Who the caller is (tenant and class), from its headers.
+    ///
+    /// # Errors
+    /// An unknown or missing key, or a class the tenant may not use.
+    fn identify(&self, headers: &HeaderMap) -> Result<Identity, GovernError>;
 
     /// Where refusals are counted by reason.
     fn refusals(&self) -> &dyn RefusalCounter;
@@ -44,7 +47,7 @@ pub(crate) trait FrontDoor: Send + Sync + 'static {
 }
 
 /// A governed request through `door`.
-pub(crate) async fn governed<D: FrontDoor>(
+pub async fn governed<D: FrontDoor>(
     State(door): State<Arc<D>>,
     endpoint: Endpoint,
     req: Request,
@@ -53,7 +56,7 @@ pub(crate) async fn governed<D: FrontDoor>(
     if let Err(e) = door.precheck() {
         return refusal::refuse(door.refusals(), e);
     }
-    let who = match identity::identify(&door.settings().tenants, req.headers()) {
+    let who = match door.identify(req.headers()) {
         Ok(w) => w,
         Err(e) => return refusal::refuse(door.refusals(), e),
     };
@@ -66,7 +69,7 @@ pub(crate) async fn governed<D: FrontDoor>(
 }
 
 /// A router with every governed endpoint going through `D`'s front door.
-pub(crate) fn governed_routes<D: FrontDoor>() -> Router<Arc<D>> {
+pub fn governed_routes<D: FrontDoor>() -> Router<Arc<D>> {
     Endpoint::ALL.into_iter().fold(Router::new(), |router, e| {
         router.route(
             e.path(),

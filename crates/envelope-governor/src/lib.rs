@@ -6,21 +6,24 @@
 //!
 //! Bookkeeping is plain data with unit tests ([`ledger`], [`queue`],
 //! [`ladder`], [`policy`], [`request`]); [`admission`] and
-//! [`request_path`] (a request's stages) wrap it in a thin async layer,
-//! [`proxy`] and [`tiers`] are the two modes' HTTP sides, [`client`] is its HTTP client
+//! [`request_path`] (a request's stages) wrap it in a thin async layer;
+//! [`GovernedUpstream`] is one upstream with those
+//! stages as methods, for both front ends: [`proxy`] (one upstream) and
+//! the model tiers' router (the `envelope-router` crate). [`client`] is its HTTP client
 //! to the upstream; [`error`] is the one mapping
 //! from failures to HTTP status, OpenAI body and reason label. [`config`]
 //! holds every setting (flags, environment, TOML file, defaults) and
 //! [`start`] runs the process: checks, background tasks, reload, drain.
 
 pub mod admission;
+pub mod answer_usage;
 pub mod budget;
 pub mod client;
 pub mod config;
 pub mod drain;
 pub mod engine_metrics;
 pub mod error;
-mod front_door;
+pub mod front_door;
 pub mod identity;
 pub mod ladder;
 pub mod latency;
@@ -35,13 +38,12 @@ pub mod price;
 pub mod proxy;
 pub mod queue;
 pub mod recorder;
-mod refusal;
+pub mod refusal;
 pub mod request;
 pub mod request_path;
 pub mod settings;
-mod signals;
+pub mod signals;
 pub mod start;
-pub mod tiers;
 pub mod tokens;
 pub mod upstream;
 pub mod upstream_tokenize;
@@ -53,8 +55,9 @@ pub use error::{GovernError, OverloadReason, StartError};
 pub use ladder::{LadderSettings, Level, Reading};
 pub use latency::LatencySettings;
 pub use ledger::{Demand, Share};
-pub use proxy::{app, relay, serve, upstream_client, AppState, ReloadHook};
+pub use proxy::{app, relay, serve, upstream_client, GovernedUpstream, ReloadHook};
 pub use queue::Class;
+pub use request_path::Sent;
 pub use settings::{
     Beyond, OverBudget, OverLimit, Settings, SettingsDraft, TenantsConfig, TenantsSettings,
 };

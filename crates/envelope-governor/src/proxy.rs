@@ -17,28 +17,27 @@ use crate::identity::Identity;
 use crate::recorder::Draft;
 use crate::refusal::RefusalCounter;
 use crate::request::{Endpoint, ParsedRequest, Prompts};
-use crate::request_path::{
-    count, place, placed_headers, read_request, send, stream_back_with, OnEnd, Placed, Settlement,
-    StreamEnd, Wait,
+use crate::request_path::{read_request, OnEnd, Placed, StreamEnd};
+pub use crate::request_path::{
+    relay, upstream_client, GovernedUpstream, ReloadHook, DEADLINE_HEADER,
 };
-pub use crate::request_path::{relay, upstream_client, AppState, ReloadHook, DEADLINE_HEADER};
-use crate::settings::Settings;
 use crate::tokens::{CountSource, TokenCounter};
-pub(crate) use admin::{admin_allowed, from_a_browser, ADMIN_DENIED};
+pub use admin::{admin_allowed, from_a_browser, ADMIN_DENIED};
 use admin::{admin_reload, admin_state};
 use axum::extract::Request;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use passthrough::{metrics, passthrough};
 pub use serve::serve;
-pub(crate) use serve::serve_router;
+pub use serve::serve_router;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub fn app(state: Arc<AppState>) -> Router {
-    governed_routes::<AppState>()
+pub fn app(state: Arc<GovernedUpstream>) -> Router {
+    governed_routes::<GovernedUpstream>()
         .route("/metrics", get(metrics))
         .route("/admin/state", get(admin_state))
         .route("/admin/reload", post(admin_reload))
@@ -47,17 +46,17 @@ pub fn app(state: Arc<AppState>) -> Router {
 }
 
 /// A refusal of the governor over one upstream (see [`crate::refusal`]).
-pub(crate) fn reject(s: &AppState, e: GovernError) -> Response {
+pub(crate) fn reject(s: &GovernedUpstream, e: GovernError) -> Response {
     crate::refusal::refuse(&s.gov.metrics, e)
 }
 
-impl FrontDoor for AppState {
+impl FrontDoor for GovernedUpstream {
     fn precheck(&self) -> Result<(), GovernError> {
         self.gov.precheck()
     }
 
-    fn settings(&self) -> Arc<Settings> {
-        self.gov.settings()
+    fn identify(&self, headers: &HeaderMap) -> Result<Identity, GovernError> {
+        crate::identity::identify(&self.gov.settings().tenants, headers)
     }
 
     fn refusals(&self) -> &dyn RefusalCounter {
@@ -77,15 +76,15 @@ impl FrontDoor for AppState {
 
 /// One request down the path on one upstream.
 async fn handle(
-    s: &Arc<AppState>,
+    s: &Arc<GovernedUpstream>,
     endpoint: Endpoint,
     req: Request,
     arrived: Instant,
     who: &Identity,
 ) -> Result<Response, GovernError> {
-    let settings = s.gov.settings();
+    let settings = s.settings();
     let inc = read_request(&settings, endpoint, req, arrived, who.class).await?;
-    let counted = count(s, &settings, &inc.parsed).await?;
+    let counted = s.count(&settings, &inc.parsed).await?;
     // With --record, what the request is, for its line when it ends.
     let draft = s.recorder.as_ref().map(|_| {
         let tokens = counted.counts.first().copied().unwrap_or(0);
@@ -96,46 +95,23 @@ async fn handle(
             r.record(d.refused(e.status().as_u16(), inc.parsed.max_tokens));
         }
     };
-    let placed = match place(
-        s,
-        &settings,
-        &inc,
-        &counted,
-        who,
-        Wait::UntilDeadline,
-        inc.deadline,
-    )
-    .await
-    {
-        Ok(p) => p.expect("a request allowed to wait is placed or refused"),
+    let placed = match s.place(&settings, &inc, &counted, who, inc.deadline).await {
+        Ok(p) => p,
         Err(e) => {
             refused(draft, &e);
             return Err(e);
         }
     };
-    let sent_at = Instant::now();
-    let resp = match send(s, &settings, &inc, &inc.parsed, &placed).await {
+    let learn = learn_from_usage(s, &placed, &inc.parsed);
+    let sent = match s.send(&settings, &inc, &inc.parsed, placed).await {
         Ok(r) => r,
         Err(e) => {
-            placed.held().settle(&Settlement::of_failed_send(&e));
             refused(draft, &e);
             return Err(e);
         }
     };
-    let extra = placed_headers(&placed);
-    let on_end = both(
-        learn_from_usage(s, &placed, &inc.parsed),
-        record_at_end(s, draft, resp.status().as_u16()),
-    );
-    Ok(stream_back_with(
-        s,
-        resp,
-        Some(placed.held()),
-        Some(sent_at),
-        inc.end,
-        extra,
-        on_end,
-    ))
+    let on_end = both(learn, record_at_end(s, draft, sent.status().as_u16()));
+    Ok(sent.stream_back([], on_end))
 }
 
 /// One callback at a body's end from two.
@@ -150,7 +126,7 @@ fn both(a: Option<OnEnd>, b: Option<OnEnd>) -> Option<OnEnd> {
 }
 
 /// With `--record`: the request's line, written when its body ends.
-fn record_at_end(s: &AppState, draft: Option<Draft>, status: u16) -> Option<OnEnd> {
+fn record_at_end(s: &GovernedUpstream, draft: Option<Draft>, status: u16) -> Option<OnEnd> {
     let (recorder, draft) = (s.recorder.clone()?, draft?);
     Some(Box::new(move |end: StreamEnd| {
         recorder.record(crate::request_path::record::ended(draft, status, &end));
@@ -159,7 +135,11 @@ fn record_at_end(s: &AppState, draft: Option<Draft>, status: u16) -> Option<OnEn
 
 /// For a text prompt counted by the learnt estimate: feeds the answer's
 /// `usage.prompt_tokens` back into it when the answer ends whole.
-fn learn_from_usage(s: &AppState, placed: &Placed, parsed: &ParsedRequest) -> Option<OnEnd> {
+fn learn_from_usage(
+    s: &GovernedUpstream,
+    placed: &Placed,
+    parsed: &ParsedRequest,
+) -> Option<OnEnd> {
     let TokenCounter::Learnt(e) = &s.counter else {
         return None;
     };

@@ -10,13 +10,13 @@ use crate::identity::Identity;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-pub(crate) const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
-pub(crate) const CLASS_HEADER: HeaderName = HeaderName::from_static(crate::identity::CLASS_HEADER);
+pub const TENANT_HEADER: HeaderName = HeaderName::from_static("x-envelope-tenant");
+pub const CLASS_HEADER: HeaderName = HeaderName::from_static(crate::identity::CLASS_HEADER);
 
 /// Where refusals are counted by reason: one family,
 /// `envelope_governor_rejections_total{mode, reason}`, counted by the
 /// governor over one upstream (`single`) or the tiers' router (`tiers`).
-pub(crate) trait RefusalCounter {
+pub trait RefusalCounter {
     fn count_refusal(&self, reason: &'static str);
 }
 
@@ -27,7 +27,7 @@ impl RefusalCounter for crate::metrics::Metrics {
 }
 
 /// Counts, logs and answers a refusal.
-pub(crate) fn refuse(counter: &dyn RefusalCounter, e: GovernError) -> Response {
+pub fn refuse(counter: &dyn RefusalCounter, e: GovernError) -> Response {
     counter.count_refusal(e.reason());
     let status = e.status();
     if status.is_server_error() || status == StatusCode::TOO_MANY_REQUESTS {
@@ -47,7 +47,7 @@ pub(crate) fn refuse(counter: &dyn RefusalCounter, e: GovernError) -> Response {
 }
 
 /// The tenant's name as a header value (none for a name that is not one).
-pub(crate) fn tenant_value(tenant: &str) -> Option<HeaderValue> {
+pub fn tenant_value(tenant: &str) -> Option<HeaderValue> {
     if tenant == crate::identity::DEFAULT_TENANT {
         return Some(HeaderValue::from_static(crate::identity::DEFAULT_TENANT));
     }
@@ -56,7 +56,7 @@ pub(crate) fn tenant_value(tenant: &str) -> Option<HeaderValue> {
 
 /// Names whom a governed answer was charged to: `x-envelope-tenant` and
 /// `x-envelope-class`.
-pub(crate) fn charged_to(r: &mut Response, who: &Identity) {
+pub fn charged_to(r: &mut Response, who: &Identity) {
     let h = r.headers_mut();
     if let Some(v) = tenant_value(&who.tenant) {
         h.insert(TENANT_HEADER, v);

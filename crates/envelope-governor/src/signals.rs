@@ -15,7 +15,7 @@ fn mtime(p: &Path) -> Option<SystemTime> {
 /// modification time of any file `watched` lists (listed again after each
 /// reload, which may add or drop files). Never returns. Where no SIGHUP
 /// handler can be installed, the files are still watched.
-pub(crate) async fn reload_on_change<W, R, F>(watched: W, mut reload: R)
+pub async fn reload_on_change<W, R, F>(watched: W, mut reload: R)
 where
     W: Fn() -> Vec<PathBuf>,
     R: FnMut() -> F,
@@ -49,7 +49,7 @@ where
 /// Resolves on SIGTERM or Ctrl-C. A handler that cannot be installed
 /// never fires (said once, as a warning), rather than stopping the
 /// server at once.
-pub(crate) async fn shutdown_requested() {
+pub async fn shutdown_requested() {
     let ctrl_c = async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::warn!("no Ctrl-C handler ({e})");

@@ -1,26 +1,26 @@
-//! Starting `envelope govern`: the checks (the profile's fingerprint
-//! against the live node and the upstream's model), the token counter, the
-//! background tasks (latency tick, live guard, hot reload on SIGHUP or a
-//! file change) and the drain on SIGTERM.
+//! Starting `envelope govern` over one upstream: the governed upstream
+//! ([`crate::upstream::start`]: the checks, the counter, the
+//! latency tick and live guard), then what this front end adds (the
+//! recorder, the budget store, the engine's metrics page, hot reload on
+//! SIGHUP or a file change) and the drain on SIGTERM.
 
 use crate::config::{GovernArgs, ProfileFile};
 use crate::error::StartError;
-use crate::{live_guard, AppState, Governor};
+use crate::upstream::UpstreamSpec;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Runs the governor until SIGTERM (or Ctrl-C) and its drain.
+/// Runs the governor over one upstream until SIGTERM (or Ctrl-C) and its
+/// drain; `args` already merged with its `--config` file
+/// ([`GovernArgs::with_config`]). (`--tiers` is the router's front end,
+/// the `envelope-router` crate.)
 ///
 /// # Errors
 /// What stops it from starting: a missing or invalid setting, profile or
 /// tenants file, a refused fingerprint mismatch, an address it cannot bind.
 pub fn run(args: GovernArgs) -> Result<(), StartError> {
-    let args = args.with_config()?;
-    if let Some(tiers) = args.tiers.clone() {
-        return crate::tiers::run(args, tiers);
-    }
     let rt = args.runtime()?;
     rt.block_on(run_async(args))
 }
@@ -34,29 +34,31 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     };
     let upstream = upstream.trim_end_matches('/').to_string();
     let listen = args.listen();
-    // For the checks at start (the governed requests get their own).
-    let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
-
-    // Profile checks: the node and the upstream's model against the fingerprint.
     let profile_file = ProfileFile::read("--profile", &profile_path)?;
-    let (profile, shown) = (&profile_file.profile, &profile_file.shown);
-    let conservative =
-        crate::upstream::check_profile(&args, &client, &upstream, profile, shown).await?;
-    let settings = args.settings(&profile_file, conservative)?;
-    let counter = crate::upstream::pick_counter(
+    let metrics_url = args.guard_metrics_url(&upstream);
+    let engine_metrics = args.engine_metrics();
+    let started = crate::upstream::start(
         &args,
-        args.tokenizer.as_deref(),
-        &client,
-        &upstream,
-        Duration::from_millis(settings.timeouts.connect_timeout_ms),
-        profile,
+        UpstreamSpec {
+            field: "",
+            url: &upstream,
+            profile: &profile_file,
+            tokenizer: args.tokenizer.as_deref(),
+            metrics_url: metrics_url.clone(),
+            guard_notes_waiting: !engine_metrics,
+        },
     )
     .await?;
+    // Ended (aborted) when the governor ends.
+    let _tasks = started.tasks;
+    let (mut state, conservative) = (started.upstream, started.conservative);
+    let gov = state.gov.clone();
+    let settings = gov.settings();
     let l = &settings.limits;
     tracing::info!(
         profile = %settings.profile_id, max_context_tokens = l.max_context_tokens,
         max_output_tokens = l.max_output_tokens, max_concurrent_seqs = l.max_concurrent_seqs,
-        max_kv_tokens_in_flight = l.max_kv_tokens_in_flight, counter = ?counter, "enforcing"
+        max_kv_tokens_in_flight = l.max_kv_tokens_in_flight, counter = ?state.counter, "enforcing"
     );
     let table: Vec<String> = l
         .buckets
@@ -84,18 +86,6 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
     if !args.guard() {
         tracing::warn!("live guard: off (--guard false): upstream metrics are not polled");
     }
-    let gov = Governor::new(settings);
-    // The latency guard climbs back in time when traffic is too thin to judge.
-    {
-        let gov = gov.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                gov.tick_latency();
-            }
-        });
-    }
-    let mut state = AppState::new(gov.clone(), &upstream, counter);
     let recorder = crate::recorder::Recorder::start_if(
         args.record_settings()?,
         &gov.metrics.records_written,
@@ -146,8 +136,6 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
         })
     };
     state.reload = Some(reload.clone());
-    let metrics_url = args.guard_metrics_url(&upstream);
-    let engine_metrics = args.engine_metrics();
     if engine_metrics {
         let every = args.engine_metrics_interval();
         if every.is_zero() {
@@ -161,14 +149,6 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             &metrics_url,
             every,
         ));
-    }
-    if args.guard() {
-        live_guard::spawn_guard(
-            gov.clone(),
-            metrics_url,
-            args.guard_interval(),
-            !engine_metrics,
-        );
     }
     // Hot reload: SIGHUP and a change of the profile, tenants or budgets file.
     {

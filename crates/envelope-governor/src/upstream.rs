@@ -1,12 +1,16 @@
 //! Reaching an upstream at start: its model list (for the profile's
-//! fingerprint), how its prompt tokens are counted, and the node's GPUs.
+//! fingerprint), how its prompt tokens are counted, and the node's GPUs;
+//! and [`start`], which builds a [`GovernedUpstream`] from one spec for
+//! both front ends.
 
+use crate::admission::Governor;
 use crate::client::{Answer, UpstreamClient};
+use crate::config::ProfileFile;
 use crate::config::{GovernArgs, OnMismatch, TokenCount};
 use crate::error::StartError;
 use crate::request::ChatText;
 use crate::upstream_tokenize::{joined_text, ChatOverhead, Dialect};
-use crate::{live_guard, TokenCounter};
+use crate::{live_guard, GovernedUpstream, TokenCounter};
 use axum::http::{HeaderMap, Method};
 use envelope_profile::Profile;
 use serde_json::{json, Value};
@@ -332,4 +336,96 @@ pub(crate) async fn check_profile(
             Ok(false)
         }
     }
+}
+
+/// What a governed upstream is built from.
+pub struct UpstreamSpec<'a> {
+    /// The file field it comes from, naming its settings' errors (empty
+    /// for the flags of one upstream).
+    pub field: &'a str,
+    /// Its base URL.
+    pub url: &'a str,
+    pub profile: &'a ProfileFile,
+    /// A tokenizer file to count with (else one is picked: docs/govern.md).
+    pub tokenizer: Option<&'a Path>,
+    /// The metrics page its live guard reads.
+    pub metrics_url: String,
+    /// Whether the live guard's readings are also the engine's waiting
+    /// count (else a faster poller, `--engine-metrics`, gives that).
+    pub guard_notes_waiting: bool,
+}
+
+/// A governed upstream as started, with whether it runs at half its
+/// profile (a fingerprint mismatch) and its background tasks.
+pub struct Started {
+    pub upstream: GovernedUpstream,
+    pub conservative: bool,
+    pub tasks: Tasks,
+}
+
+/// An upstream's background tasks (latency tick, live guard), ended when
+/// this is dropped.
+pub struct Tasks(pub Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Starts a governed upstream: the profile's fingerprint checked against
+/// the node and the upstream's model, the settings made from the profile
+/// and `args`, the token counter picked, the latency tick and (unless
+/// `--guard false`) the live guard started.
+///
+/// # Errors
+/// A refused fingerprint mismatch, or an invalid setting or tokenizer
+/// (named with `spec.field`).
+pub async fn start(args: &GovernArgs, spec: UpstreamSpec<'_>) -> Result<Started, StartError> {
+    let url = spec.url.trim_end_matches('/');
+    let named = |e: StartError| match spec.field {
+        "" => e,
+        field => StartError::Invalid(format!("{field}: {e}")),
+    };
+    // For the checks at start (the governed requests get their own).
+    let client = UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
+    let (profile, shown) = (&spec.profile.profile, &spec.profile.shown);
+    let conservative = crate::upstream::check_profile(args, &client, url, profile, shown).await?;
+    let settings = args.settings(spec.profile, conservative).map_err(named)?;
+    let counter = crate::upstream::pick_counter(
+        args,
+        spec.tokenizer,
+        &client,
+        url,
+        Duration::from_millis(settings.timeouts.connect_timeout_ms),
+        profile,
+    )
+    .await?;
+    let gov = Governor::new(settings);
+    let mut tasks = vec![];
+    // The latency guard climbs back in time when traffic is too thin to judge.
+    {
+        let gov = gov.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                gov.tick_latency();
+            }
+        }));
+    }
+    if args.guard() {
+        tasks.push(crate::live_guard::spawn_guard(
+            gov.clone(),
+            spec.metrics_url,
+            args.guard_interval(),
+            spec.guard_notes_waiting,
+        ));
+    }
+    Ok(Started {
+        upstream: GovernedUpstream::new(gov, url, counter),
+        conservative,
+        tasks: Tasks(tasks),
+    })
 }

@@ -1,6 +1,6 @@
-//! Admission without waiting, for placing a request on one of several
-//! upstreams (model tiers): admit now or say it does not fit, and how full
-//! an upstream is.
+//! Admission without waiting (`GovernedUpstream::try_place`, for a
+//! caller with another upstream to try): admit now or say it does not
+//! fit; and how full the upstream is.
 
 use super::decide::{decide, Decision, Shed, Terms};
 use super::{Ask, Governor, Permit};

@@ -2,24 +2,23 @@
 //! may call them (a loopback peer, or any peer with the admin token) and
 //! what they answer.
 
-use super::AppState;
+use super::GovernedUpstream;
 use crate::error::GovernError;
+use crate::settings::Settings;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub(crate) const ADMIN_DENIED: &str =
-    "admin endpoints answer loopback or a valid x-envelope-admin-token";
+pub const ADMIN_DENIED: &str = "admin endpoints answer loopback or a valid x-envelope-admin-token";
 
 /// Loopback, or the admin token (compared in constant time).
-pub(crate) fn admin_allowed(s: &AppState, req: &Request) -> bool {
+pub fn admin_allowed(settings: &Settings, req: &Request) -> bool {
     let loopback = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .is_some_and(|c| c.0.ip().is_loopback());
-    let settings = s.gov.settings();
     let given = req
         .headers()
         .get("x-envelope-admin-token")
@@ -33,22 +32,22 @@ pub(crate) fn admin_allowed(s: &AppState, req: &Request) -> bool {
 
 /// A request a browser sent (a page on any site can make the browser POST
 /// to a loopback address; browsers mark such requests, scripts do not).
-pub(crate) fn from_a_browser(h: &HeaderMap) -> bool {
+pub fn from_a_browser(h: &HeaderMap) -> bool {
     h.contains_key("origin")
         || h.get("sec-fetch-site")
             .is_some_and(|v| v.as_bytes() != b"none")
         || h.contains_key("sec-fetch-mode")
 }
 
-pub(super) async fn admin_state(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    if !admin_allowed(&s, &req) {
+pub(super) async fn admin_state(State(s): State<Arc<GovernedUpstream>>, req: Request) -> Response {
+    if !admin_allowed(&s.settings(), &req) {
         return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
     }
     axum::Json(s.gov.state_json()).into_response()
 }
 
-pub(super) async fn admin_reload(State(s): State<Arc<AppState>>, req: Request) -> Response {
-    if !admin_allowed(&s, &req) {
+pub(super) async fn admin_reload(State(s): State<Arc<GovernedUpstream>>, req: Request) -> Response {
+    if !admin_allowed(&s.settings(), &req) {
         return GovernError::Forbidden(ADMIN_DENIED.into()).into_response();
     }
     if from_a_browser(req.headers()) {
@@ -96,7 +95,7 @@ mod tests {
         );
         settings.admin_token = Some("s3cret-token".into());
         let gov = Governor::new(settings.check().unwrap());
-        let state = Arc::new(AppState::new(
+        let state = Arc::new(GovernedUpstream::new(
             gov,
             "http://127.0.0.1:9",
             TokenCounter::Estimate {

@@ -3,7 +3,7 @@
 //! `/tokenize`), each to a caller with a known key where keys are
 //! configured, the public paths excepted.
 
-use super::{reject, AppState};
+use super::{reject, GovernedUpstream};
 use crate::engine_metrics::{combined_page, CLASSIC_TEXT};
 use crate::error::GovernError;
 use crate::identity;
@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub(super) async fn metrics(State(s): State<Arc<AppState>>, req: Request) -> Response {
+pub(super) async fn metrics(State(s): State<Arc<GovernedUpstream>>, req: Request) -> Response {
     let settings = s.gov.settings();
     if !public(&settings, "/metrics") {
         if let Err(e) = identity::tenant(&settings.tenants, req.headers()) {
@@ -60,7 +60,7 @@ fn dot_segment(path: &str) -> bool {
 /// Allowlisted GET paths (and the tokenizer endpoints) go to the upstream
 /// as they are, to a caller with a known key where keys are configured
 /// (the public paths excepted).
-pub(super) async fn passthrough(State(s): State<Arc<AppState>>, req: Request) -> Response {
+pub(super) async fn passthrough(State(s): State<Arc<GovernedUpstream>>, req: Request) -> Response {
     let settings = s.gov.settings();
     let path = req.uri().path().to_string();
     if dot_segment(&path) {

@@ -10,7 +10,7 @@
 //! boxed futures cost more than the choice a method and a path comparison
 //! make (measured: docs/measurements/2026-12-06-governor-code-figures.md).
 
-use super::{app, AppState};
+use super::{app, GovernedUpstream};
 use crate::front_door::{governed, FrontDoor};
 use crate::request::Endpoint;
 use crate::request_path::timer::ReusingTimer;
@@ -27,7 +27,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// Serves `app` on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
+    state: Arc<GovernedUpstream>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let settings = state.gov.settings();
@@ -49,7 +49,7 @@ fn governed_endpoint<B>(req: &hyper::Request<B>) -> Option<Endpoint> {
 /// Serves `router` with (most connections, header read timeout), the
 /// governed endpoints answered through `door`'s front door without the
 /// router.
-pub(crate) async fn serve_router<D: FrontDoor>(
+pub async fn serve_router<D: FrontDoor>(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     door: Arc<D>,

@@ -1,7 +1,9 @@
 //! The admitted stage: [`place`] takes a read and counted request through
 //! its plan and budget reservation to a permit from the admission queue.
 
-use super::{plan_request, reserve, AppState, Counted, Held, Incoming, PlanInputs, Planned};
+use super::{
+    plan_request, reserve, Counted, GovernedUpstream, Held, Incoming, PlanInputs, Planned,
+};
 use crate::admission::{Ask, Permit};
 use crate::error::GovernError;
 use crate::identity::Identity;
@@ -10,11 +12,11 @@ use crate::settings::Settings;
 use crate::tokens::CountSource;
 use std::time::Instant;
 
-/// Whether placing a request may wait in the admission queue.
+/// Whether placing a request may wait in the admission queue
+/// ([`GovernedUpstream::place`] or [`GovernedUpstream::try_place`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Wait {
-    /// Admit now or not at all (`Ok(None)`): for trying one upstream
-    /// before another.
+    /// Admit now or not at all (`Ok(None)`).
     No,
     /// Queue until the request's deadline.
     UntilDeadline,
@@ -22,7 +24,7 @@ pub(crate) enum Wait {
 
 /// A request placed on one upstream: its admission, its budget
 /// reservation (with budgets over time), and what was planned.
-pub(crate) struct Placed {
+pub struct Placed {
     pub permit: Permit,
     pub budget: Option<crate::budget::Hold>,
     pub plan: policy::Plan,
@@ -48,7 +50,7 @@ impl Placed {
 /// the queue (429), draining (503). With [`Wait::No`], a request that
 /// does not fit right now is `Ok(None)` instead of a 429.
 pub(crate) async fn place(
-    s: &AppState,
+    s: &GovernedUpstream,
     settings: &Settings,
     inc: &Incoming,
     counted: &Counted,

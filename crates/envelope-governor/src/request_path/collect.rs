@@ -1,6 +1,6 @@
 //! An answer read whole in the governor, for a caller that looks at it
-//! before the client does (the tiers check an answer before it goes back,
-//! a shadow compares one): relayed as it would be to a client
+//! before the client does (the model tiers' router checks an answer
+//! before it goes back, or compares one in a shadow call): relayed as it would be to a client
 //! ([`stream_back_with`]) and read to its end here, so it is settled by
 //! the one [`Settlement`](super::Settlement) the relay makes: its usage
 //! from its tail (or its events), a stream's TTFT and ITL or a body's whole
@@ -9,7 +9,7 @@
 
 use super::relay::{stream_back_with, StreamEnd};
 use super::settle::Held;
-use super::AppState;
+use super::GovernedUpstream;
 use crate::client::Answer;
 use crate::error::GovernError;
 use axum::body::Bytes;
@@ -19,7 +19,7 @@ use std::time::Instant;
 
 /// A whole answer, settled.
 #[derive(Debug)]
-pub(crate) struct Collected {
+pub struct Collected {
     pub status: StatusCode,
     /// The upstream's headers, less the hop-by-hop ones and the length.
     pub headers: HeaderMap,
@@ -37,7 +37,7 @@ pub(crate) struct Collected {
 /// (502), the lifetime ran out (504), or the governor is draining (503).
 /// It is settled as cut either way.
 pub(crate) async fn collect(
-    s: &AppState,
+    s: &GovernedUpstream,
     resp: Answer,
     held: Held,
     sent_at: Instant,

@@ -1,9 +1,10 @@
 //! The counted stage: a request's prompt tokens before admission, at once
 //! on the default path, or with a wait (an upstream `/tokenize` call, a
 //! long prompt encoded off the event loop) bounded by a timeout and a cap.
-//! Counted once: model tiers that count the same way reuse the count.
+//! Counted once: upstreams that count the same way reuse the count
+//! ([`GovernedUpstream::counts_like`]).
 
-use super::AppState;
+use super::GovernedUpstream;
 use crate::error::GovernError;
 use crate::request::{ParsedRequest, Prompts};
 use crate::settings::Settings;
@@ -12,44 +13,16 @@ use std::time::Duration;
 
 /// A request's prompt tokens per group, and how they were counted.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Counted {
+pub struct Counted {
     pub counts: Vec<u64>,
     pub source: CountSource,
-}
-
-impl Counted {
-    /// These counts, made by the upstream `by` with `by_settings`, for the
-    /// upstream `s`: kept where `s` counts the same way (token ids; or the
-    /// same tokenizer, tokenize endpoint or estimate, and the same cost
-    /// for media parts), else counted again.
-    ///
-    /// # Errors
-    /// As [`count`].
-    pub(crate) async fn for_upstream(
-        &self,
-        (by, by_settings): (&AppState, &Settings),
-        s: &AppState,
-        settings: &Settings,
-        parsed: &ParsedRequest,
-    ) -> Result<std::borrow::Cow<'_, Counted>, GovernError> {
-        let same_media = by_settings.counting.image_part_tokens
-            == settings.counting.image_part_tokens
-            && by_settings.counting.audio_part_tokens == settings.counting.audio_part_tokens;
-        let same_counter = self.source == CountSource::TokenIds || s.counter.counts_as(&by.counter);
-        if same_media && same_counter {
-            return Ok(std::borrow::Cow::Borrowed(self));
-        }
-        count(s, settings, parsed)
-            .await
-            .map(std::borrow::Cow::Owned)
-    }
 }
 
 /// Prompt tokens per group, within the count timeout and the cap on
 /// requests counted at once; past the timeout, the bound estimate. Media
 /// parts of a chat add their configured cost.
 pub(crate) async fn count(
-    s: &AppState,
+    s: &GovernedUpstream,
     settings: &Settings,
     parsed: &ParsedRequest,
 ) -> Result<Counted, GovernError> {
@@ -76,7 +49,7 @@ pub(crate) async fn count(
 /// encoded off the event loop, within the count timeout and the cap on
 /// requests counted at once; past the timeout, the bound estimate.
 async fn count_waiting(
-    s: &AppState,
+    s: &GovernedUpstream,
     settings: &Settings,
     parsed: &ParsedRequest,
 ) -> Result<(Vec<u64>, CountSource), GovernError> {
@@ -109,10 +82,12 @@ mod tests {
     use crate::request::{parse, Endpoint};
     use crate::tokens::TokenCounter;
     use envelope_profile::Limits;
-    use std::borrow::Cow;
     use std::sync::Arc;
 
-    fn upstream(counter: TokenCounter, image_part_tokens: u64) -> (AppState, Arc<Settings>) {
+    fn upstream(
+        counter: TokenCounter,
+        image_part_tokens: u64,
+    ) -> (GovernedUpstream, Arc<Settings>) {
         let mut l = Limits {
             max_context_tokens: 4096,
             max_output_tokens: 256,
@@ -125,7 +100,10 @@ mod tests {
         settings.counting.image_part_tokens = image_part_tokens;
         let gov = Governor::new(settings.check().unwrap());
         let settings = gov.settings();
-        (AppState::new(gov, "http://127.0.0.1:9", counter), settings)
+        (
+            GovernedUpstream::new(gov, "http://127.0.0.1:9", counter),
+            settings,
+        )
     }
 
     fn estimate(bytes_per_token: f64) -> TokenCounter {
@@ -133,7 +111,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_tier_that_counts_the_same_way_takes_the_count() {
+    async fn an_upstream_that_counts_the_same_way_takes_the_count() {
         let text = parse(
             Endpoint::Completions,
             br#"{"prompt": "abcdefghijklmnopqrstuvwx"}"#,
@@ -142,26 +120,21 @@ mod tests {
         let (first, fs) = upstream(estimate(4.0), 85);
         let counted = count(&first, &fs, &text).await.unwrap();
         let by = (&first, &*fs);
-        // The same estimate: the count is taken, not made again.
+        // The same estimate: the count holds.
         let (same, ss) = upstream(estimate(4.0), 85);
-        let kept = counted.for_upstream(by, &same, &ss, &text).await.unwrap();
-        assert!(matches!(kept, Cow::Borrowed(_)));
-        // Another estimate: counted again, by its own rule.
+        assert!(same.counts_like(&ss, &counted, by));
+        // Another estimate: it does not, and its own count differs.
         let (other, os) = upstream(estimate(2.0), 85);
-        let again = counted.for_upstream(by, &other, &os, &text).await.unwrap();
-        assert!(matches!(again, Cow::Owned(_)));
-        assert_ne!(again.counts, counted.counts);
-        assert_eq!(*again, count(&other, &os, &text).await.unwrap());
-        // The same counter but another cost for an image part: counted again.
+        assert!(!other.counts_like(&os, &counted, by));
+        assert_ne!(count(&other, &os, &text).await.unwrap(), counted);
+        // The same counter but another cost for an image part.
         let (media, ms) = upstream(estimate(4.0), 10);
-        let again = counted.for_upstream(by, &media, &ms, &text).await.unwrap();
-        assert!(matches!(again, Cow::Owned(_)));
+        assert!(!media.counts_like(&ms, &counted, by));
         // Token ids count the same for everyone.
         let ids = parse(Endpoint::Completions, br#"{"prompt": [1, 2, 3]}"#).unwrap();
         let counted = count(&first, &fs, &ids).await.unwrap();
-        let kept = counted.for_upstream(by, &other, &os, &ids).await.unwrap();
-        assert!(matches!(kept, Cow::Borrowed(_)));
-        assert_eq!(kept.counts, [3]);
+        assert!(other.counts_like(&os, &counted, by));
+        assert_eq!(count(&other, &os, &ids).await.unwrap().counts, [3]);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use super::{Placed, DEADLINE_HEADER};
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
-pub(crate) const HOP_BY_HOP: &[&str] = &[
+pub const HOP_BY_HOP: &[&str] = &[
     "host",
     "content-length",
     "connection",
@@ -19,7 +19,7 @@ pub(crate) const HOP_BY_HOP: &[&str] = &[
     "proxy-connection",
 ];
 
-pub(crate) fn forward_headers(h: &HeaderMap) -> HeaderMap {
+pub fn forward_headers(h: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::with_capacity(h.len());
     for (k, v) in h {
         let name = k.as_str();
@@ -33,11 +33,11 @@ pub(crate) fn forward_headers(h: &HeaderMap) -> HeaderMap {
 }
 
 /// Headers added to an answer.
-pub(crate) type Extra = Vec<(HeaderName, HeaderValue)>;
+pub type Extra = Vec<(HeaderName, HeaderValue)>;
 
 /// `(name, text)` pairs as [`Extra`] (the rarer headers: budgets, tiers);
 /// a text that is not a header value is left out.
-pub(crate) fn named(
+pub fn named(
     pairs: impl IntoIterator<Item = (&'static str, String)>,
 ) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
     pairs.into_iter().filter_map(|(k, v)| {
@@ -54,7 +54,7 @@ const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms
 
 /// The headers that say what the governor did with a placed request
 /// (budget headers after them, when the request has budgets).
-pub(crate) fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
+pub fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
     let budget = placed
         .budget
         .as_ref()
@@ -96,7 +96,7 @@ static DIGITS: std::sync::LazyLock<&'static str> = std::sync::LazyLock::new(|| {
 });
 
 /// Makes the small numbers' text now (at start), not in the first answer.
-pub(crate) fn warm() {
+pub fn warm() {
     std::sync::LazyLock::force(&DIGITS);
 }
 
@@ -104,7 +104,7 @@ pub(crate) fn warm() {
 /// limit, prompt tokens, milliseconds queued) are small: those are slices
 /// of one text made once, which cost no allocation (a value made from a
 /// number allocates and formats).
-pub(crate) fn number(n: u64) -> HeaderValue {
+pub fn number(n: u64) -> HeaderValue {
     match usize::try_from(n) {
         Ok(i) if i < SMALL => {
             let len = i.checked_ilog10().unwrap_or(0) as usize + 1;

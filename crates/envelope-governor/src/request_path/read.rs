@@ -28,7 +28,7 @@ static SLO_TTFT_NAMES: [HeaderName; 2] = [
 ///
 /// # Errors
 /// 400 for a value that is not a positive number of milliseconds.
-pub(crate) fn slo_ttft_ms(h: &axum::http::HeaderMap) -> Result<Option<f64>, GovernError> {
+pub fn slo_ttft_ms(h: &axum::http::HeaderMap) -> Result<Option<f64>, GovernError> {
     let Some((name, v)) = SLO_TTFT_NAMES
         .iter()
         .find_map(|n| h.get(n).map(|v| (n.as_str(), v)))
@@ -109,7 +109,7 @@ async fn read_body(mut body: Body, limit: usize, timeout_ms: u64) -> Result<Byte
 
 /// A governed request as read: its headers, parsed body (which keeps the
 /// body's bytes), deadline and the end of its lifetime.
-pub(crate) struct Incoming {
+pub struct Incoming {
     pub parts: axum::http::request::Parts,
     pub parsed: ParsedRequest,
     pub arrived: Instant,
@@ -130,7 +130,7 @@ pub(crate) struct Incoming {
 impl Incoming {
     /// A copy that outlives the request (for work off its path): the same
     /// method, URI, headers, body and times.
-    pub(crate) fn detached(&self) -> Incoming {
+    pub fn detached(&self) -> Incoming {
         let mut req = axum::http::Request::new(());
         *req.method_mut() = self.parts.method.clone();
         *req.uri_mut() = self.parts.uri.clone();
@@ -150,7 +150,7 @@ impl Incoming {
 }
 
 /// Reads, bounds and parses a governed request.
-pub(crate) async fn read_request(
+pub async fn read_request(
     settings: &Settings,
     endpoint: Endpoint,
     req: Request,

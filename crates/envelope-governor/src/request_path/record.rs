@@ -8,7 +8,7 @@ use crate::recorder::{Draft, Finished};
 
 /// The draft of `inc`, counted at `input_tokens`, from `who`: its session
 /// and feature as read with the request.
-pub(crate) fn draft(inc: &Incoming, input_tokens: u64, who: &Identity) -> Draft {
+pub fn draft(inc: &Incoming, input_tokens: u64, who: &Identity) -> Draft {
     Draft {
         arrived: inc.arrived,
         arrived_unix_s: Draft::unix_s_of(inc.arrived),
@@ -23,7 +23,7 @@ pub(crate) fn draft(inc: &Incoming, input_tokens: u64, who: &Identity) -> Draft 
 }
 
 /// `draft` finished as a relayed body ended (`end`), with `status`.
-pub(crate) fn ended(draft: Draft, status: u16, end: &StreamEnd) -> Finished {
+pub fn ended(draft: Draft, status: u16, end: &StreamEnd) -> Finished {
     let output = end
         .completion_tokens
         .unwrap_or_else(|| end.events.saturating_sub(u64::from(end.whole)));

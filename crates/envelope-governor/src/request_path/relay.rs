@@ -17,7 +17,7 @@
 //! docs/measurements/2026-12-06-governor-code-figures.md).
 
 use super::settle::{Ending, Held, Settlement};
-use super::AppState;
+use super::GovernedUpstream;
 use crate::admission::{Governor, Permit};
 use crate::client::Answer;
 use axum::body::{Body, Bytes, HttpBody};
@@ -77,7 +77,7 @@ struct Flow {
 
 /// How a relayed stream ended, for whoever books it (model tiers).
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct StreamEnd {
+pub struct StreamEnd {
     /// The `usage` numbers at the end of the body, when it had them.
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
@@ -89,35 +89,13 @@ pub(crate) struct StreamEnd {
     pub first_chunk: Option<Instant>,
 }
 
-pub(crate) type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
+pub type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
 
 const TAIL_BYTES: usize = 4096;
 
 /// A client that takes longer than this to ask for the next chunk is
 /// reading slowly (a fast one asks within microseconds).
 const SLOW_READER_GAP: Duration = Duration::from_millis(50);
-
-type Key = std::sync::LazyLock<memchr::memmem::Finder<'static>>;
-
-/// The `usage` keys of an answer's tail. The last of each counts, found
-/// by the forward search (vectorised), not the reverse one (which is not,
-/// and cost several times more on a short answer).
-static PROMPT_TOKENS: Key = Key::new(|| memchr::memmem::Finder::new(b"\"prompt_tokens\""));
-static COMPLETION_TOKENS: Key = Key::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\""));
-
-/// The number after the last `key` in `hay` (spaces, colons and quotes
-/// between them skipped): bytes searched as they are, not made text.
-fn find_number(hay: &[u8], key: &memchr::memmem::Finder<'_>) -> Option<u64> {
-    let i = key.find_iter(hay).last()? + key.needle().len();
-    let rest = &hay[i..];
-    let start = rest.iter().position(|b| !matches!(b, b' ' | b':' | b'"'))?;
-    let rest = &rest[start..];
-    let len = rest
-        .iter()
-        .position(|b| !b.is_ascii_digit())
-        .unwrap_or(rest.len());
-    std::str::from_utf8(&rest[..len]).ok()?.parse().ok()
-}
 
 /// The last [`TAIL_BYTES`] of a body, or more. A body that comes in one
 /// chunk (most whole answers) is kept as that chunk, not copied.
@@ -160,11 +138,7 @@ impl Tail {
 
     /// The `usage` numbers at the end: prompt and completion tokens.
     fn usage(&self) -> (Option<u64>, Option<u64>) {
-        let b = self.bytes();
-        (
-            find_number(b, &PROMPT_TOKENS),
-            find_number(b, &COMPLETION_TOKENS),
-        )
+        crate::answer_usage::prompt_and_completion(self.bytes())
     }
 }
 
@@ -433,7 +407,7 @@ impl Drop for Flow {
 /// The streaming relay on its own (the fuzz target drives it with arbitrary
 /// upstream bytes): the upstream's answer back to the client, chunk by
 /// chunk, with `permit` released at its end.
-pub fn relay(s: &AppState, resp: Answer, permit: Option<Permit>) -> Response {
+pub fn relay(s: &GovernedUpstream, resp: Answer, permit: Option<Permit>) -> Response {
     let now = Instant::now();
     let held = permit.map(|permit| Held {
         permit,
@@ -468,8 +442,8 @@ fn drop_hop_by_hop(headers: &mut HeaderMap, sse: bool) {
 
 /// The upstream's answer, streamed back with `extra` headers, telling
 /// `on_end` how the stream ended.
-pub(crate) fn stream_back_with(
-    s: &AppState,
+pub fn stream_back_with(
+    s: &GovernedUpstream,
     resp: Answer,
     held: Option<Held>,
     sent_at: Option<Instant>,
@@ -528,24 +502,6 @@ pub(crate) fn stream_back_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn usage_numbers_are_found_in_the_tail() {
-        let t =
-            br#"data: {"usage":{"prompt_tokens":12,"completion_tokens": 30,"total_tokens":42}}"#;
-        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(12));
-        assert_eq!(find_number(t, &COMPLETION_TOKENS), Some(30));
-        let nope = memchr::memmem::Finder::new(b"\"nope\"");
-        assert_eq!(find_number(t, &nope), None);
-        // The last one counts (a stream's final usage); no digits, none;
-        // bytes that are not UTF-8 around it do not matter.
-        let t = b"\"prompt_tokens\":1 \xff \"prompt_tokens\" : \"7\"}";
-        assert_eq!(find_number(t, &PROMPT_TOKENS), Some(7));
-        assert_eq!(find_number(b"\"prompt_tokens\": x", &PROMPT_TOKENS), None);
-        assert_eq!(find_number(b"\"prompt_tokens\"", &PROMPT_TOKENS), None);
-        let big = b"\"completion_tokens\":99999999999999999999999";
-        assert_eq!(find_number(big, &COMPLETION_TOKENS), None);
-    }
 
     #[test]
     fn the_tail_keeps_the_last_bytes_however_they_came() {

@@ -4,7 +4,7 @@
 //! its [`Settlement`](super::Settlement); dropped before the request is
 //! sent, it gives everything back.
 
-use super::AppState;
+use super::GovernedUpstream;
 use crate::budget::{self, Amounts, Budgets, Hold};
 use crate::error::GovernError;
 use crate::policy::Plan;
@@ -16,7 +16,7 @@ use crate::policy::Plan;
 /// 400 when the request is larger than a budget could ever hold, 429
 /// over budget, 503 when the store is away and a budget fails closed.
 pub(crate) async fn reserve(
-    s: &AppState,
+    s: &GovernedUpstream,
     budgets: &Budgets,
     tenant: &str,
     feature: Option<&str>,

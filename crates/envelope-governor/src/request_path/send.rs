@@ -3,7 +3,7 @@
 //! request's lifetime.
 
 use super::headers::forward_headers;
-use super::{AppState, Incoming, Placed};
+use super::{GovernedUpstream, Incoming, Placed};
 use crate::client::Answer;
 use crate::error::GovernError;
 use crate::request::ParsedRequest;
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Logs `detail` (which may name the upstream) and returns an error for
 /// the client that does not.
-pub(crate) fn upstream_error(s: &AppState, detail: String, timeout: bool) -> GovernError {
+pub(crate) fn upstream_error(s: &GovernedUpstream, detail: String, timeout: bool) -> GovernError {
     let e = if timeout {
         GovernError::UpstreamTimeout("no answer in time".into())
     } else {
@@ -33,7 +33,7 @@ pub(crate) fn upstream_error(s: &AppState, detail: String, timeout: bool) -> Gov
 /// The upstream is unreachable or silent (502/504), or the governor is
 /// draining (503). The caller still holds the permit.
 pub(crate) async fn send(
-    s: &AppState,
+    s: &GovernedUpstream,
     settings: &Settings,
     inc: &Incoming,
     parsed: &ParsedRequest,

@@ -287,7 +287,7 @@ async fn admin_needs_loopback_or_token_and_reload_swaps_limits() {
     let st: Value = g.state().await;
     assert_eq!(st["limits"]["max_output_tokens"], 10);
     // In process without a peer address (no loopback proof), only the token works.
-    let state = std::sync::Arc::new(envelope_governor::AppState::new(
+    let state = std::sync::Arc::new(envelope_governor::GovernedUpstream::new(
         g.gov.clone(),
         &g.upstream,
         TokenCounter::Estimate {

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use envelope_governor::{AppState, Governor, SettingsDraft, TokenCounter};
+use envelope_governor::{GovernedUpstream, Governor, SettingsDraft, TokenCounter};
 use envelope_profile::Limits;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -364,7 +364,7 @@ pub async fn start_until(
         dialect: envelope_governor::upstream_tokenize::Dialect::Vllm,
         chat: Default::default(),
     });
-    let state = Arc::new(AppState::new(gov.clone(), &upstream, counter));
+    let state = Arc::new(GovernedUpstream::new(gov.clone(), &upstream, counter));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let served = tokio::spawn(envelope_governor::serve(listener, state, shutdown));

@@ -143,7 +143,8 @@ async fn the_lifetime_ends_a_relay_whose_upstream_never_waits() {
         s.timeouts.max_request_ms = 300
     })
     .await;
-    let state = envelope_governor::AppState::new(g.gov.clone(), &g.upstream, estimate().unwrap());
+    let state =
+        envelope_governor::GovernedUpstream::new(g.gov.clone(), &g.upstream, estimate().unwrap());
     let endless = futures::stream::repeat_with(|| {
         Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"x"))
     });

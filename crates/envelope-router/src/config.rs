@@ -71,7 +71,7 @@ pub struct UpstreamConfig {
     pub tokenizer: Option<PathBuf>,
 }
 
-pub use crate::price::PriceConfig;
+pub use envelope_governor::price::PriceConfig;
 
 /// A rule: when every condition it sets holds, the call starts on `tier`
 /// (the most capable tier any matching rule names wins).
@@ -247,7 +247,7 @@ impl Default for ShadowConfig {
     }
 }
 
-pub use crate::identity::{valid_name, MAX_FEATURE_NAME};
+pub use envelope_governor::identity::{valid_name, MAX_FEATURE_NAME};
 
 /// The tiers the router runs on: a tiers file that passed every check,
 /// its relative paths made relative to its folder. Read through `Deref`.
@@ -468,7 +468,7 @@ small = ["large"]
 
     #[test]
     fn the_example_in_the_docs_is_valid() {
-        let doc = include_str!("../../../../docs/tiers.md");
+        let doc = include_str!("../../../docs/tiers.md");
         let start = doc.find("```toml\n").expect("a toml block") + 8;
         let len = doc[start..].find("```").unwrap();
         let f = parse(&doc[start..start + len]).unwrap();

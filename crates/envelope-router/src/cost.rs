@@ -5,7 +5,7 @@
 //! whose mean cost per call is over their allowance.
 
 use super::config::FeatureConfig;
-pub use crate::price::{safe_point_tok_per_s, Price};
+pub use envelope_governor::price::{safe_point_tok_per_s, Price};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -158,7 +158,7 @@ impl Book {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::price::{PriceConfig, Usage};
+    use envelope_governor::price::{PriceConfig, Usage};
     use envelope_profile::Profile;
 
     #[test]

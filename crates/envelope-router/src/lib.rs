@@ -1,4 +1,5 @@
-//! Model tiers (`envelope govern --tiers tiers.toml`): the governor in
+//! Model tiers (`envelope govern --tiers tiers.toml`), the governor's
+//! second front end: the governor in
 //! front of several upstreams grouped into tiers by role, cheapest first.
 //! Each call starts on the cheapest tier its signals allow ([`route`]), is
 //! placed on an upstream with room now (or on a fallback tier before any
@@ -9,12 +10,14 @@
 //! the request path, with the next tier up (shadow calibration).
 //!
 //! Each upstream keeps everything the single-upstream governor enforces:
-//! its own profile, ledger, queue, live guard and latency guard
-//! ([`crate::AppState`] per upstream).
+//! its own profile, ledger, queue, live guard and latency guard: it is an
+//! [`envelope_governor::GovernedUpstream`], on which the router counts,
+//! places and sends through that type's methods, as the governor over
+//! one upstream does.
 //!
 //! Layers: `config` <- `route`, `check`, `cost`, `cache`, `metrics`,
 //! `failure` (what a refusal or failed answer leads to) <-
-//! `live` (one version of the file, running) <- `shadow` <- `call` (the
+//! `state` (one version of the file, running) <- `shadow` <- `call` (the
 //! request path) <- `start` (start-up, reload, rollback, the HTTP app).
 
 mod book;

@@ -120,7 +120,7 @@ impl TierMetrics {
             "Cost units of shadow calls, by the tier that served them and feature",
             m.shadow_cost.clone(),
         );
-        let (name, help) = crate::metrics::REJECTIONS;
+        let (name, help) = envelope_governor::metrics::REJECTIONS;
         r.register(name, help, m.refusals.clone());
         r.register(
             "envelope_tier_feature_over_budget",
@@ -235,7 +235,7 @@ pub fn merge(parts: &[(Labels, String)]) -> String {
     out
 }
 
-impl crate::refusal::RefusalCounter for TierMetrics {
+impl envelope_governor::refusal::RefusalCounter for TierMetrics {
     fn count_refusal(&self, reason: &'static str) {
         self.refusals
             .get_or_create(&labels(&[("mode", "tiers"), ("reason", reason)]))
@@ -249,10 +249,10 @@ mod tests {
 
     #[test]
     fn families_are_merged_with_each_parts_labels() {
-        let a = crate::metrics::Metrics::new();
+        let a = envelope_governor::metrics::Metrics::new();
         a.reject("queue_full");
         a.in_flight_sequences.set(2);
-        let b = crate::metrics::Metrics::new();
+        let b = envelope_governor::metrics::Metrics::new();
         b.reject("queue_full");
         b.in_flight_sequences.set(5);
         let t = TierMetrics::new();
@@ -264,7 +264,7 @@ mod tests {
             ]))
             .inc();
         // The router's own refusal, in the same family.
-        crate::refusal::RefusalCounter::count_refusal(&t, "queue_full");
+        envelope_governor::refusal::RefusalCounter::count_refusal(&t, "queue_full");
         let text = merge(&[
             (vec![], t.render()),
             (labels(&[("tier", "small"), ("upstream", "0")]), a.render()),

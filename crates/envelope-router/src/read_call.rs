@@ -5,12 +5,12 @@
 use super::book::{CallRecord, Tag};
 use super::check::Expect;
 use super::route::Route;
-use crate::error::GovernError;
-use crate::identity::Identity;
-use crate::recorder::Draft;
-use crate::request_path::{Counted, Incoming};
-use crate::settings::Settings;
-use crate::AppState;
+use envelope_governor::error::GovernError;
+use envelope_governor::identity::Identity;
+use envelope_governor::recorder::Draft;
+use envelope_governor::request_path::{Counted, Incoming};
+use envelope_governor::settings::Settings;
+use envelope_governor::GovernedUpstream;
 use std::sync::Arc;
 
 /// What one call is, once read.
@@ -21,7 +21,7 @@ pub(super) struct Call {
     /// Where that upstream could not count, the bound estimate (which
     /// routed the call) and no one who counted: each tier counts.
     pub(super) counted: Counted,
-    pub(super) counted_by: Option<(Arc<AppState>, Arc<Settings>)>,
+    pub(super) counted_by: Option<(Arc<GovernedUpstream>, Arc<Settings>)>,
     pub(super) who: Identity,
     pub(super) tag: Tag,
     pub(super) conversation: Option<String>,

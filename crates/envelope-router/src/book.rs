@@ -8,7 +8,7 @@ use super::config::Check;
 use super::cost::Price;
 use super::metrics::labels;
 use super::state::{Live, TierRouter};
-use crate::recorder::{Draft, Finished};
+use envelope_governor::recorder::{Draft, Finished};
 use envelope_profile::trace::TierCall;
 
 /// Whom a call is booked to.

@@ -9,14 +9,14 @@ use super::call;
 use super::config::{PriceConfig, TiersSettings, UpstreamConfig};
 use super::cost::Price;
 use super::metrics::{labels, merge};
-use super::state::{Live, Tasks, Tier, TierRouter, Upstream};
-use crate::config::{GovernArgs, ProfileFile};
-use crate::error::{GovernError, StartError};
-use crate::{AppState, Governor};
+use super::state::{Live, Tier, TierRouter, Upstream};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use envelope_governor::config::{GovernArgs, ProfileFile};
+use envelope_governor::error::{GovernError, StartError};
+use envelope_governor::upstream::UpstreamSpec;
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -52,7 +52,7 @@ pub fn run(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
 }
 
 fn read_file(path: &Path) -> Result<(TiersSettings, String), StartError> {
-    let text = crate::config::read("--tiers", path)?;
+    let text = envelope_governor::config::read("--tiers", path)?;
     let file = TiersSettings::from_toml(&text, path).map_err(StartError::Invalid)?;
     Ok((file, text))
 }
@@ -66,7 +66,7 @@ fn read_profile(
     let profile = ProfileFile::read("profile", &spec.profile)?;
     let mut text = profile.text.clone();
     if let Some(t) = &args.tenants {
-        text.push_str(&crate::config::read("--tenants", t)?);
+        text.push_str(&envelope_governor::config::read("--tenants", t)?);
     }
     Ok((profile, text))
 }
@@ -79,7 +79,7 @@ async fn upstream(
     spec: &UpstreamConfig,
     price: Option<&PriceConfig>,
     reuse: Option<&Arc<Upstream>>,
-) -> Result<(Arc<Upstream>, Option<crate::Settings>), StartError> {
+) -> Result<(Arc<Upstream>, Option<envelope_governor::Settings>), StartError> {
     let named = |e: StartError| StartError::Invalid(format!("{field}: {e}"));
     let (profile, source) = read_profile(args, spec).map_err(named)?;
     let price = Price::new(price, &profile.profile)
@@ -102,48 +102,28 @@ async fn upstream(
         };
         return Ok((Arc::new(up), settings));
     }
-    let url = spec.url.trim_end_matches('/').to_string();
-    let client = crate::client::UpstreamClient::new(crate::upstream::CHECK_TIMEOUT);
-    let conservative =
-        crate::upstream::check_profile(args, &client, &url, &profile.profile, &profile.shown)
-            .await?;
-    let settings = args.settings(&profile, conservative).map_err(named)?;
-    let counter = crate::upstream::pick_counter(
+    let url = spec.url.trim_end_matches('/');
+    let started = envelope_governor::upstream::start(
         args,
-        spec.tokenizer.as_deref(),
-        &client,
-        &url,
-        std::time::Duration::from_millis(settings.timeouts.connect_timeout_ms),
-        &profile.profile,
+        UpstreamSpec {
+            field,
+            url,
+            profile: &profile,
+            tokenizer: spec.tokenizer.as_deref(),
+            metrics_url: format!("{url}/metrics"),
+            guard_notes_waiting: true,
+        },
     )
     .await?;
-    tracing::info!(upstream = %url, profile = %settings.profile_id, counter = ?counter, "{field}");
-    let gov = Governor::new(settings);
-    let mut tasks = vec![];
-    {
-        let gov = gov.clone();
-        tasks.push(tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                gov.tick_latency();
-            }
-        }));
-    }
-    if args.guard() {
-        tasks.push(crate::live_guard::spawn_guard(
-            gov.clone(),
-            format!("{url}/metrics"),
-            args.guard_interval(),
-            true,
-        ));
-    }
+    let app = started.upstream;
+    tracing::info!(upstream = %url, profile = %app.settings().profile_id, counter = ?app.counter, "{field}");
     let up = Upstream {
         spec: spec.clone(),
-        app: Arc::new(AppState::new(gov, &url, counter)),
+        app: Arc::new(app),
         price,
-        conservative,
+        conservative: started.conservative,
         source,
-        tasks: Arc::new(Tasks(tasks)),
+        tasks: Arc::new(started.tasks),
     };
     Ok((Arc::new(up), None))
 }
@@ -208,16 +188,13 @@ async fn reload(r: &Arc<TierRouter>) -> Result<String, String> {
     result
 }
 
-fn base(r: &TierRouter) -> Arc<AppState> {
-    r.live().tiers[0].upstreams[0].app.clone()
-}
-
 fn admin_refusal(r: &TierRouter, req: &Request, post: bool) -> Option<Response> {
-    let b = base(r);
-    if !crate::proxy::admin_allowed(&b, req) {
-        return Some(GovernError::Forbidden(crate::proxy::ADMIN_DENIED.into()).into_response());
+    if !envelope_governor::proxy::admin_allowed(&r.live().front(), req) {
+        return Some(
+            GovernError::Forbidden(envelope_governor::proxy::ADMIN_DENIED.into()).into_response(),
+        );
     }
-    if post && crate::proxy::from_a_browser(req.headers()) {
+    if post && envelope_governor::proxy::from_a_browser(req.headers()) {
         return Some(
             GovernError::Forbidden(
                 "admin POSTs are refused from browsers (Origin or Sec-Fetch-* present)".into(),
@@ -385,7 +362,7 @@ async fn not_found(State(r): State<Arc<TierRouter>>, req: Request) -> Response {
 }
 
 pub(super) fn app(r: Arc<TierRouter>) -> axum::Router {
-    crate::front_door::governed_routes::<TierRouter>()
+    envelope_governor::front_door::governed_routes::<TierRouter>()
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/admin/tiers", get(admin_state))
@@ -421,7 +398,7 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     let drain_timeout = args.drain_timeout();
     let router = TierRouter::new(path, args, live);
     tracing::info!("model tiers: version {}", router.live().file.version);
-    let recorder = crate::recorder::Recorder::start_if(
+    let recorder = envelope_governor::recorder::Recorder::start_if(
         router.args.record_settings()?,
         &router.metrics.records_written,
         &router.metrics.records_dropped,
@@ -432,7 +409,7 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     {
         let r = router.clone();
         let w = router.clone();
-        tokio::spawn(crate::signals::reload_on_change(
+        tokio::spawn(envelope_governor::signals::reload_on_change(
             move || watched(&w),
             move || {
                 let r = r.clone();
@@ -451,14 +428,14 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
     let addr = listener.local_addr()?;
     println!("envelope govern listening on http://{addr}");
     std::io::stdout().flush()?;
-    let s = base(&router).gov.settings();
+    let s = router.live().front();
     let limits = (
         s.front.max_connections,
         Duration::from_millis(s.front.header_read_timeout_ms),
     );
     let r = router.clone();
     let shutdown = async move {
-        crate::signals::shutdown_requested().await;
+        envelope_governor::signals::shutdown_requested().await;
         r.start_draining();
         let live = r.live();
         let drains = live
@@ -468,7 +445,8 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
         futures::future::join_all(drains).await;
         tracing::info!("drained");
     };
-    crate::proxy::serve_router(listener, app(router.clone()), router, limits, shutdown).await?;
+    envelope_governor::proxy::serve_router(listener, app(router.clone()), router, limits, shutdown)
+        .await?;
     if let Some(rec) = recorder {
         rec.flush(Duration::from_secs(5));
     }

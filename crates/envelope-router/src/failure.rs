@@ -6,7 +6,7 @@
 //! them; the tests below are the tables.
 
 use super::config::OutOfTime;
-use crate::error::GovernError;
+use envelope_governor::error::GovernError;
 
 /// A refusal or failure, by what it says about the other places.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,7 +140,7 @@ pub(super) fn which_stands(upper: Upper, lower: Lower, out_of_time: OutOfTime) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::OverloadReason;
+    use envelope_governor::error::OverloadReason;
 
     #[test]
     fn failures_by_kind() {

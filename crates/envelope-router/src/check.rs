@@ -7,7 +7,7 @@
 use super::config::Check;
 use serde_json::{Map, Value};
 
-pub use crate::price::Usage;
+pub use envelope_governor::price::Usage;
 
 /// The first choice of an answer, put back together.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -21,28 +21,11 @@ pub struct AssembledAnswer {
     pub events: u64,
 }
 
-fn usage_of(v: &Value) -> Option<Usage> {
-    let u = v.get("usage")?;
-    let n = |k: &str| u.get(k).and_then(Value::as_u64);
-    Some(Usage {
-        prompt: n("prompt_tokens")?,
-        completion: n("completion_tokens")?,
-        cached: u
-            .get("prompt_tokens_details")
-            .and_then(|d| d.get("cached_tokens"))
-            .and_then(Value::as_u64)
-            .unwrap_or(0),
-    })
-}
-
 /// Tool calls read from one answer at most.
 const MAX_TOOL_CALLS: usize = 128;
 
 /// Adds one JSON object (a whole answer or one stream chunk) to `a`.
 fn absorb(a: &mut AssembledAnswer, v: &Value) {
-    if let Some(u) = usage_of(v) {
-        a.usage = Some(u);
-    }
     let Some(c) = v
         .get("choices")
         .and_then(Value::as_array)
@@ -93,7 +76,11 @@ fn absorb(a: &mut AssembledAnswer, v: &Value) {
 /// The answer in `body`: one JSON object, or (`sse`) a stream of
 /// `data:` events. `None` when nothing in it is an answer.
 pub fn read_answer(body: &[u8], sse: bool) -> Option<AssembledAnswer> {
-    let mut a = AssembledAnswer::default();
+    let mut a = AssembledAnswer {
+        // By the governor's one reader of usage (the relay's).
+        usage: envelope_governor::answer_usage::usage(body),
+        ..AssembledAnswer::default()
+    };
     if !sse {
         let v: Value = serde_json::from_slice(body).ok()?;
         v.get("choices")?;

@@ -8,11 +8,10 @@ use super::check::Usage;
 use super::config::Check;
 use super::read_call::{upstream_failed, Call};
 use super::state::{Live, TierRouter, Upstream};
-use crate::error::GovernError;
-use crate::request_path::{self as path, Ending, Placed, Settlement};
 use axum::response::{IntoResponse, Response};
+use envelope_governor::error::GovernError;
+use envelope_governor::request_path::{self as path, Placed};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// A stream passed through as it comes (no escalation once bytes flow; an
 /// upstream that cannot be reached is still retried a tier up).
@@ -27,39 +26,31 @@ pub(super) async fn stream_through(
 ) -> Result<Response, GovernError> {
     let (mut tier, mut up, mut placed) = (tier, up, placed);
     let mut escalated = false;
-    let resp = loop {
-        let settings = up.app.gov.settings();
+    let sent = loop {
+        let settings = up.app.settings();
         let parsed = up.body_for(&call.inc.parsed);
-        let sent = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
+        let prompt = placed.plan.prompt_tokens;
+        let sent = up.app.send(&settings, &call.inc, &parsed, placed).await;
         // Nothing has gone to the client yet: an upstream that failed
         // (unreachable, or a 5xx head) may still be retried a tier up.
         let may = !escalated
             && !call.route.pinned
             && tier + 1 < live.tiers.len()
             && live.file.escalation.on.contains(&Check::UpstreamError);
-        let (failed, settlement) = match sent {
-            Ok(resp) if !(may && resp.status().is_server_error()) => break resp,
-            Ok(resp) => (
-                GovernError::UpstreamUnreachable(format!(
-                    "the upstream answered {}",
-                    resp.status().as_u16()
-                )),
-                Settlement {
-                    refused_by_upstream: true,
-                    ..Settlement::ended(Ending::Whole)
-                },
-            ),
-            Err(e) => {
-                let s = Settlement::of_failed_send(&e);
-                (e, s)
+        let failed = match sent {
+            Ok(sent) if !(may && sent.status().is_server_error()) => break sent,
+            Ok(sent) => {
+                let status = sent.status().as_u16();
+                sent.settle_unrelayed();
+                GovernError::UpstreamUnreachable(format!("the upstream answered {status}"))
             }
+            Err(e) => e,
         };
         let u = Usage {
-            prompt: placed.plan.prompt_tokens,
+            prompt,
             ..Usage::default()
         };
         story.cost += r.book_attempt(live, tier, &call.tag, &up.price, u);
-        placed.held().settle(&settlement);
         let placed_up = if may && upstream_failed(&failed) {
             r.book_escalation(live, tier, &call.tag, Check::UpstreamError);
             story.escalated = Some((Check::UpstreamError, tier));
@@ -90,8 +81,7 @@ pub(super) async fn stream_through(
             }
         }
     };
-    let status = resp.status();
-    let mut placed_headers: path::Extra = path::placed_headers(&placed).collect();
+    let status = sent.status();
     let mut extra: Vec<(&'static str, String)> = vec![
         ("x-envelope-tier", live.tiers[tier].name.clone()),
         ("x-envelope-route-reason", story.reason.clone()),
@@ -105,7 +95,7 @@ pub(super) async fn stream_through(
         extra.push(("x-envelope-escalated", c.label().into()));
         extra.push(("x-envelope-escalated-from", live.tiers[from].name.clone()));
     }
-    let prompt = placed.plan.prompt_tokens;
+    let prompt = sent.placed().plan.prompt_tokens;
     let (r2, live2, up2) = (r.clone(), live.clone(), up.clone());
     let tag = call.tag.clone();
     let mut story = story.clone();
@@ -146,19 +136,7 @@ pub(super) async fn stream_through(
             rec,
         );
     });
-    let sent_at = Instant::now();
-    let end = call.inc.end;
-    Ok(path::stream_back_with(
-        &up.app,
-        resp,
-        Some(placed.held()),
-        Some(sent_at),
-        end,
-        {
-            placed_headers.extend(path::named(extra));
-            placed_headers
-        },
-        Some(on_end),
-    )
-    .into_response())
+    Ok(sent
+        .stream_back(path::named(extra), Some(on_end))
+        .into_response())
 }

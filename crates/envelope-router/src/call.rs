@@ -14,21 +14,20 @@ use super::metrics::labels;
 use super::read_call::{upstream_failed, Call};
 use super::route::{body_signals, route};
 use super::state::{Live, TierRouter, Upstream};
-use crate::error::GovernError;
-use crate::front_door::FrontDoor;
-use crate::identity::Identity;
-use crate::refusal::RefusalCounter;
-use crate::request::Endpoint;
-use crate::request_path::{self as path, Counted, Incoming, Placed, Settlement, Wait};
-use crate::settings::Settings;
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
+use envelope_governor::error::GovernError;
+use envelope_governor::front_door::FrontDoor;
+use envelope_governor::identity::Identity;
+use envelope_governor::refusal::RefusalCounter;
+use envelope_governor::request::Endpoint;
+use envelope_governor::request_path::{self as path, Counted, Incoming, Placed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use crate::identity::named;
+pub use envelope_governor::identity::named;
 pub const HINT_HEADER: &str = "x-envelope-tier-hint";
 pub const NO_TRUNCATION_HEADER: &str = "x-envelope-no-truncation";
 
@@ -36,6 +35,15 @@ fn truthy(h: &HeaderMap, header: &str) -> bool {
     h.get(header)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
+}
+
+/// Whether a placement may wait in an upstream's admission queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// Placed now or not at all, so another upstream can be tried.
+    No,
+    /// Queued until the call's deadline on that tier.
+    UntilDeadline,
 }
 
 /// One attempt on one upstream, whole.
@@ -68,22 +76,31 @@ impl TierRouter {
         let deadline = self.deadline_on(live, tier, &call.inc);
         let mut last: Option<GovernError> = None;
         for up in live.by_room(tier) {
-            let settings = up.app.gov.settings();
+            let settings = up.app.settings();
             let placed = async {
                 let parsed = &call.inc.parsed;
+                let (inc, who) = (&call.inc, &call.who);
+                let recounted;
                 let counted = match &call.counted_by {
-                    Some((app, st)) => {
-                        let by = (&**app, &**st);
-                        call.counted
-                            .for_upstream(by, &up.app, &settings, parsed)
-                            .await?
+                    Some((by, st)) if up.app.counts_like(&settings, &call.counted, (by, st)) => {
+                        &call.counted
                     }
-                    None => std::borrow::Cow::Owned(path::count(&up.app, &settings, parsed).await?),
+                    _ => {
+                        recounted = up.app.count(&settings, parsed).await?;
+                        &recounted
+                    }
                 };
-                path::place(
-                    &up.app, &settings, &call.inc, &counted, &call.who, wait, deadline,
-                )
-                .await
+                match wait {
+                    Wait::No => {
+                        up.app
+                            .try_place(&settings, inc, counted, who, deadline)
+                            .await
+                    }
+                    Wait::UntilDeadline => {
+                        let p = up.app.place(&settings, inc, counted, who, deadline).await?;
+                        Ok(Some(p))
+                    }
+                }
             };
             match placed.await {
                 Ok(Some(p)) => return Ok(Some((up, p))),
@@ -161,35 +178,26 @@ impl TierRouter {
         up: &Upstream,
         placed: Placed,
     ) -> Result<Whole, GovernError> {
-        let settings = up.app.gov.settings();
+        let settings = up.app.settings();
         let parsed = up.body_for(&call.inc.parsed);
-        let sent_at = Instant::now();
-        let resp = path::send(&up.app, &settings, &call.inc, &parsed, &placed).await;
         let prompt = placed.plan.prompt_tokens;
         let placed_headers = path::placed_headers(&placed).collect();
-        // Nothing (whole) came back: the prompt was sent, so book it.
-        let book_prompt = || {
-            let u = Usage {
-                prompt,
-                ..Usage::default()
-            };
-            self.book_attempt(live, tier, &call.tag, &up.price, u);
-        };
-        let resp = match resp {
-            Ok(r) => r,
-            Err(e) => {
-                placed.held().settle(&Settlement::of_failed_send(&e));
-                book_prompt();
-                return Err(e);
-            }
-        };
+        let sent = up.app.send(&settings, &call.inc, &parsed, placed).await;
         // Read whole and settled as a client's answer is (usage, latency
         // samples, faults), before the checks look at it.
-        let got = path::collect(&up.app, resp, placed.held(), sent_at, call.inc.end).await;
+        let got = match sent {
+            Ok(sent) => sent.collect().await,
+            Err(e) => Err(e),
+        };
         let got = match got {
             Ok(c) => c,
             Err(e) => {
-                book_prompt();
+                // Nothing (whole) came back: the prompt was sent, so book it.
+                let u = Usage {
+                    prompt,
+                    ..Usage::default()
+                };
+                self.book_attempt(live, tier, &call.tag, &up.price, u);
                 return Err(e);
             }
         };
@@ -253,9 +261,9 @@ fn respond(live: &Live, w: Whole, s: &Story) -> Response {
     r
 }
 
-/// A refusal of the governor over model tiers (see [`crate::refusal`]).
+/// A refusal of the governor over model tiers (see [`envelope_governor::refusal`]).
 pub(super) fn refuse(r: &TierRouter, e: GovernError) -> Response {
-    crate::refusal::refuse(&r.metrics, e)
+    envelope_governor::refusal::refuse(&r.metrics, e)
 }
 
 impl FrontDoor for TierRouter {
@@ -266,10 +274,8 @@ impl FrontDoor for TierRouter {
         }
     }
 
-    /// The first tier's first upstream's: who callers are is one setting
-    /// for every tier.
-    fn settings(&self) -> Arc<Settings> {
-        self.live().tiers[0].upstreams[0].app.gov.settings()
+    fn identify(&self, headers: &HeaderMap) -> Result<Identity, GovernError> {
+        envelope_governor::identity::identify(&self.live().front().tenants, headers)
     }
 
     fn refusals(&self) -> &dyn RefusalCounter {
@@ -394,8 +400,8 @@ async fn read_and_route(
     who: &Identity,
 ) -> Result<(Call, bool), GovernError> {
     let base = live.tiers[0].upstreams[0].app.clone();
-    let settings = base.gov.settings();
-    let inc = path::read_request(&settings, endpoint, req, arrived, who.class).await?;
+    let settings = base.settings();
+    let inc = path::read_request(&live.front(), endpoint, req, arrived, who.class).await?;
     let h = &inc.parts.headers;
     let feature = inc.feature.clone();
     let hint = named(h, HINT_HEADER)?;
@@ -408,13 +414,16 @@ async fn read_and_route(
     // Counted once, for routing and for every tier that counts the same
     // way. When the first tier cannot count, the bound estimate routes
     // and each tier counts for itself.
-    let (counted, counted_by) = match path::count(&base, &settings, &inc.parsed).await {
+    let (counted, counted_by) = match base.count(&settings, &inc.parsed).await {
         Ok(c) => (c, Some((base, settings))),
         Err(_) => {
-            let bound = crate::tokens::estimate(&inc.parsed, crate::tokens::BOUND_BYTES_PER_TOKEN);
+            let bound = envelope_governor::tokens::estimate(
+                &inc.parsed,
+                envelope_governor::tokens::BOUND_BYTES_PER_TOKEN,
+            );
             let c = Counted {
                 counts: bound,
-                source: crate::tokens::CountSource::EstimateAfterTimeout,
+                source: envelope_governor::tokens::CountSource::EstimateAfterTimeout,
             };
             (c, None)
         }
@@ -610,7 +619,7 @@ impl TierRouter {
     ) -> Result<(Arc<Upstream>, Placed), GovernError> {
         if Instant::now() >= call.inc.deadline {
             return Err(GovernError::Overloaded {
-                reason: crate::error::OverloadReason::DeadlineUnmeetable,
+                reason: envelope_governor::error::OverloadReason::DeadlineUnmeetable,
                 retry_after_s: 1,
                 message: "no time left in the request's deadline to escalate".into(),
             });

@@ -7,37 +7,28 @@ use super::cache::AnswerCache;
 use super::config::{TiersSettings, UpstreamConfig};
 use super::cost::{Book, Price};
 use super::metrics::{labels, TierMetrics};
-use crate::config::GovernArgs;
-use crate::request::ParsedRequest;
-use crate::AppState;
+use envelope_governor::config::GovernArgs;
+use envelope_governor::request::ParsedRequest;
+use envelope_governor::upstream::Tasks;
+use envelope_governor::GovernedUpstream;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-/// An upstream's background tasks (latency tick, live guard): they end
-/// when the last version that uses the upstream is gone.
-pub struct Tasks(pub Vec<tokio::task::JoinHandle<()>>);
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for t in &self.0 {
-            t.abort();
-        }
-    }
-}
-
 /// One upstream of a tier, with its governor (profile, ledger, queue,
 /// guards) and price.
 pub struct Upstream {
     pub spec: UpstreamConfig,
-    pub app: Arc<AppState>,
+    pub app: Arc<GovernedUpstream>,
     pub price: Price,
     /// Whether it runs at half its profile (fingerprint mismatch).
     pub conservative: bool,
     /// The text its settings were built from (profile and tenants file).
     pub source: String,
+    /// Its background tasks: they end when the last version that uses
+    /// the upstream is gone.
     pub tasks: Arc<Tasks>,
 }
 
@@ -85,7 +76,7 @@ impl Live {
         let mut v: Vec<(f64, Arc<Upstream>)> = self.tiers[i]
             .upstreams
             .iter()
-            .map(|u| (u.app.gov.fullness(), u.clone()))
+            .map(|u| (u.app.fullness(), u.clone()))
             .collect();
         v.sort_by(|a, b| a.0.total_cmp(&b.0));
         v.into_iter().map(|(_, u)| u).collect()
@@ -101,6 +92,15 @@ impl Live {
             .flatten()
             .filter_map(|t| self.file.index(t))
             .collect()
+    }
+
+    /// The front end's settings (how a call is read, who callers are, the
+    /// admin token, connection limits): made from the flags and the
+    /// tenants file alone, so every upstream's settings hold the same;
+    /// taken from the first tier's first upstream, which counts and
+    /// routes every call.
+    pub fn front(&self) -> Arc<envelope_governor::Settings> {
+        self.tiers[0].upstreams[0].app.settings()
     }
 
     pub fn all_upstreams(&self) -> impl Iterator<Item = (&Tier, usize, &Arc<Upstream>)> {
@@ -136,7 +136,7 @@ pub struct TierRouter {
     shadow_slots: RwLock<(usize, Arc<tokio::sync::Semaphore>)>,
     pub metrics: TierMetrics,
     /// `--record`: every call's line (set once at start).
-    pub recorder: std::sync::OnceLock<Arc<crate::recorder::Recorder>>,
+    pub recorder: std::sync::OnceLock<Arc<envelope_governor::recorder::Recorder>>,
     draining: AtomicBool,
     /// Held by a reload or a rollback: one change at a time.
     pub changes: tokio::sync::Mutex<()>,

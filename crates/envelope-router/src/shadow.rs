@@ -11,10 +11,9 @@ use super::book::Tag;
 use super::check::{read_answer, Agreement, AssembledAnswer, Expect, Usage};
 use super::metrics::labels;
 use super::state::{Agreement as Tally, Live, TierRouter};
-use crate::identity::Identity;
-use crate::request_path::{self as path, Incoming, Settlement, Wait};
+use envelope_governor::identity::Identity;
+use envelope_governor::request_path::Incoming;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// Maybe sends a shadow of the call `inc` that tier `tier` answered with
 /// `answer`.
@@ -65,35 +64,23 @@ async fn shadow(
     answer: &AssembledAnswer,
 ) -> Option<bool> {
     for up in live.by_room(up_tier) {
-        let settings = up.app.gov.settings();
-        let Ok(counted) = path::count(&up.app, &settings, &inc.parsed).await else {
+        let settings = up.app.settings();
+        let Ok(counted) = up.app.count(&settings, &inc.parsed).await else {
             continue;
         };
-        let placed = match path::place(
-            &up.app,
-            &settings,
-            inc,
-            &counted,
-            who,
-            Wait::No,
-            inc.deadline,
-        )
-        .await
-        {
-            Ok(Some(p)) => p,
-            _ => continue,
+        let Ok(Some(placed)) = up
+            .app
+            .try_place(&settings, inc, &counted, who, inc.deadline)
+            .await
+        else {
+            continue;
         };
         let parsed = up.body_for(&inc.parsed);
-        let sent_at = Instant::now();
-        let resp = match path::send(&up.app, &settings, inc, &parsed, &placed).await {
-            Ok(r) => r,
-            Err(e) => {
-                placed.held().settle(&Settlement::of_failed_send(&e));
-                return None;
-            }
-        };
         let prompt = placed.plan.prompt_tokens;
-        let got = path::collect(&up.app, resp, placed.held(), sent_at, inc.end).await;
+        let got = match up.app.send(&settings, inc, &parsed, placed).await {
+            Ok(sent) => sent.collect().await,
+            Err(e) => Err(e),
+        };
         let Ok(got) = got else {
             return None;
         };
