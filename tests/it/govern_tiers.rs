@@ -1,6 +1,7 @@
 //! `envelope govern --tiers` in front of real `envelope serve` upstreams as
 //! model tiers (dummy presets with different seeds, and SmolLM2): routing
-//! by each signal, escalation of an invalid-JSON answer, fallback from a
+//! by each signal, escalation of an invalid-JSON answer and of a stream
+//! whose upstream is down, fallback from a
 //! saturated tier before any 429, the cache for deterministic calls only,
 //! shadow agreement, costs that add up to the tokens served, and reload
 //! and rollback of the tiers file.
@@ -21,3 +22,4 @@ mod escalation;
 mod fallback;
 mod reload;
 mod routing;
+mod streams;
