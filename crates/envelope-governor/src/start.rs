@@ -7,7 +7,6 @@
 use crate::config::{GovernArgs, ProfileFile};
 use crate::error::StartError;
 use crate::upstream::UpstreamSpec;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -165,15 +164,7 @@ async fn run_async(args: GovernArgs) -> Result<(), StartError> {
             },
         ));
     }
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .map_err(|cause| StartError::Bind {
-            listen: listen.clone(),
-            cause,
-        })?;
-    let addr = listener.local_addr()?;
-    println!("envelope govern listening on http://{addr}");
-    std::io::stdout().flush()?;
+    let listener = crate::proxy::bind_and_announce(&listen).await?;
     let drain_timeout = args.drain_timeout();
     let g = gov.clone();
     let shutdown = async move {

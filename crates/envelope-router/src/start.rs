@@ -18,7 +18,6 @@ use envelope_governor::config::{GovernArgs, ProfileFile};
 use envelope_governor::error::{GovernError, StartError};
 use envelope_governor::upstream::UpstreamSpec;
 use serde_json::json;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -419,15 +418,7 @@ async fn run_async(args: GovernArgs, path: PathBuf) -> Result<(), StartError> {
             },
         ));
     }
-    let listener = tokio::net::TcpListener::bind(&listen)
-        .await
-        .map_err(|cause| StartError::Bind {
-            listen: listen.clone(),
-            cause,
-        })?;
-    let addr = listener.local_addr()?;
-    println!("envelope govern listening on http://{addr}");
-    std::io::stdout().flush()?;
+    let listener = envelope_governor::proxy::bind_and_announce(&listen).await?;
     let s = router.live().front();
     let limits = (
         s.front.max_connections,

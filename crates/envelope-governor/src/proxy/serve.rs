@@ -21,6 +21,27 @@ use std::sync::Arc;
 use std::time::Duration;
 use tower::ServiceExt;
 
+/// Binds `listen` and says where it listens on stdout (the line a
+/// supervisor or test waits for), for either front end.
+///
+/// # Errors
+/// The address cannot be bound, or stdout is gone.
+pub async fn bind_and_announce(
+    listen: &str,
+) -> Result<tokio::net::TcpListener, crate::error::StartError> {
+    use std::io::Write;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|cause| crate::error::StartError::Bind {
+            listen: listen.to_string(),
+            cause,
+        })?;
+    let addr = listener.local_addr()?;
+    println!("envelope govern listening on http://{addr}");
+    std::io::stdout().flush()?;
+    Ok(listener)
+}
+
 /// How long open connections get to close after shutdown.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
