@@ -12,6 +12,7 @@ use crate::latency::{LatencyGuard, Sample};
 use crate::ledger::{units_per_sequence, Demand, Ledger, CAPACITY_UNITS};
 use crate::metrics::Metrics;
 use crate::policy::{effective_limits, BucketCharge};
+use crate::prefix_cache::{PrefixCache, Record};
 use crate::queue::{AdmissionQueue, Class};
 use crate::settings::OverBudget;
 use crate::settings::Settings;
@@ -121,6 +122,9 @@ pub struct Governor {
     added_latency_us: Mutex<hdrhistogram::Histogram<u64>>,
     /// Set at the drain timeout: every response still streaming ends.
     cut: watch::Sender<bool>,
+    /// What the upstream's prefix cache probably holds of a prompt, and
+    /// how far the upstream's own reports let the charges believe it.
+    pub prefix: PrefixCache,
 }
 
 /// What a request asks the governor for.
@@ -161,6 +165,14 @@ impl Permit {
         self.used_tokens = Some(used_tokens);
     }
 
+    /// The answer reported `reported` cached prompt tokens, of a prompt of
+    /// `prompt_tokens` the governor estimated `estimated` of.
+    pub(crate) fn answered_cached(&self, estimated: u64, reported: u64, prompt_tokens: u64) {
+        self.gov
+            .prefix
+            .answered(&self.tenant, estimated, reported, prompt_tokens);
+    }
+
     /// Gives the latency guard what the proxy timed of this request (from
     /// its upstream send): TTFT and mean inter-token gap of a stream, or
     /// the whole time of a non-streaming answer, in ms.
@@ -191,6 +203,9 @@ impl Drop for Permit {
 impl Governor {
     pub fn new(settings: Settings) -> Arc<Governor> {
         let cap = full_capacity(&settings.limits);
+        // The record holds about what the server's cache does, until the
+        // server says how much that is.
+        let settings_kv_tokens = settings.limits.max_kv_tokens_in_flight;
         let mut ledger = Ledger::new(cap, settings.shares(), settings.tenants.default_burst);
         ledger.set_min_burst_capacity(burst_floor(&settings));
         let inner = Inner {
@@ -223,6 +238,7 @@ impl Governor {
                 hdrhistogram::Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
             ),
             cut: watch::channel(false).0,
+            prefix: PrefixCache::new(Record::blocks_for_tokens(settings_kv_tokens)),
         });
         gov.set_profile_label();
         {

@@ -42,6 +42,14 @@ pub fn prompt_and_completion(answer: &[u8]) -> (Option<u64>, Option<u64>) {
     )
 }
 
+/// The prompt, completion and cached prompt tokens at the end of
+/// `answer`, each where it is found (a server that does not report its
+/// prefix cache gives no `cached_tokens`: `None`, not 0).
+pub fn numbers(answer: &[u8]) -> (Option<u64>, Option<u64>, Option<u64>) {
+    let (p, c) = prompt_and_completion(answer);
+    (p, c, find_number(answer, &CACHED_TOKENS))
+}
+
 /// The whole `usage` of `answer`: prompt and completion tokens (both, or
 /// none), and the cached prompt tokens (0 when not given).
 pub fn usage(answer: &[u8]) -> Option<Usage> {

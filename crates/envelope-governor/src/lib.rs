@@ -34,6 +34,7 @@ pub mod metrics;
 pub mod names;
 pub mod pod_load;
 pub mod policy;
+pub mod prefix_cache;
 pub mod price;
 pub mod proxy;
 pub mod queue;

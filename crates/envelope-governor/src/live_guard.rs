@@ -176,6 +176,15 @@ pub fn spawn_guard(
             if note_waiting {
                 gov.note_engine_waiting(state.as_ref().ok().and_then(|s| s.waiting));
             }
+            // What the server says of its prefix cache checks the
+            // governor's estimate of it (crate::prefix_cache).
+            if let Ok(s) = &state {
+                gov.prefix.polled(
+                    s.prefix_caching,
+                    s.prefix_cache_queries_total.zip(s.prefix_cache_hits_total),
+                    s.kv_capacity_tokens,
+                );
+            }
             let (r, line) = watch.reading(state, free);
             if let Some(line) = line {
                 match watch.signal {

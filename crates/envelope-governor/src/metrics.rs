@@ -68,6 +68,14 @@ pub struct Metrics {
     pub kv_reserved_ratio: Gauge<f64, AtomicU64>,
     pub saturation: Gauge<f64, AtomicU64>,
     pub admission_headroom: Gauge<f64, AtomicU64>,
+    /// The prefix cache as the governor sees it
+    /// ([`crate::prefix_cache`]): the hit rates of the last reading, the
+    /// share of its estimate it credits, and the prompt tokens credited.
+    pub prefix_estimated_hit_rate: Gauge<f64, AtomicU64>,
+    pub prefix_observed_hit_rate: Gauge<f64, AtomicU64>,
+    pub prefix_trust: Gauge<f64, AtomicU64>,
+    pub prefix_estimated_tokens: Counter,
+    pub prefix_credited_tokens: Counter,
     pub bucket_sequences: Family<Labels, Gauge>,
     pub bucket_capacity_used: Family<Labels, Gauge<f64, AtomicU64>>,
     pub profile_info: Family<Labels, Gauge>,
@@ -141,6 +149,11 @@ impl Metrics {
             kv_reserved_ratio: Gauge::default(),
             saturation: Gauge::default(),
             admission_headroom: Gauge::default(),
+            prefix_estimated_hit_rate: Gauge::default(),
+            prefix_observed_hit_rate: Gauge::default(),
+            prefix_trust: Gauge::default(),
+            prefix_estimated_tokens: Counter::default(),
+            prefix_credited_tokens: Counter::default(),
             bucket_sequences: Family::default(),
             bucket_capacity_used: Family::default(),
             profile_info: Family::default(),
@@ -253,6 +266,31 @@ impl Metrics {
             "envelope_governor_kv_reserved_ratio",
             "KV tokens reserved over the KV budget in force (0..1)",
             m.kv_reserved_ratio
+        );
+        reg!(
+            "envelope_governor_prefix_cache_estimated_hit_rate",
+            "Share of the prompt tokens sent that the governor's record of sent prefix blocks estimated cached upstream, at the last reading (-1 before one)",
+            m.prefix_estimated_hit_rate
+        );
+        reg!(
+            "envelope_governor_prefix_cache_observed_hit_rate",
+            "Share of prompt tokens the upstream reported found in its prefix cache, at the last reading (-1 before one)",
+            m.prefix_observed_hit_rate
+        );
+        reg!(
+            "envelope_governor_prefix_cache_trust",
+            "Share (0..1) of the estimated cached tokens credited against compute charges: 0 until the upstream reports hits, and at once when it stops",
+            m.prefix_trust
+        );
+        reg!(
+            "envelope_governor_prefix_cache_estimated_tokens",
+            "Prompt tokens of admitted requests estimated cached upstream",
+            m.prefix_estimated_tokens
+        );
+        reg!(
+            "envelope_governor_prefix_cache_credited_tokens",
+            "Prompt tokens of admitted requests charged as cached (not computed) upstream",
+            m.prefix_credited_tokens
         );
         reg!(
             "envelope_governor_saturation",

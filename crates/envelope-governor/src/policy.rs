@@ -28,6 +28,9 @@ pub struct Plan {
     pub decision: OutputDecision,
     pub demand: Demand,
     pub prompt_tokens: u64,
+    /// Prompt tokens charged as already in the upstream's prefix cache
+    /// (taken off the compute charge, not the KV).
+    pub cached_tokens: u64,
     /// The longest prompt group, which decides the context check.
     pub longest_prompt_tokens: u64,
     pub charges: Vec<BucketCharge>,
@@ -130,6 +133,25 @@ pub fn plan(
     asked: Option<u64>,
     n: u64,
 ) -> Result<Plan, GovernError> {
+    plan_cached(limits, over, beyond, endpoint, prompt_tokens, &[], asked, n)
+}
+
+/// [`plan`] for prompts of which the upstream holds `cached[i]` tokens of
+/// group `i` in its prefix cache (missing: none). What is cached costs no
+/// prefill: a sequence is charged against the envelope, and its TTFT
+/// predicted, by its uncached prompt and its output. Its KV, the context
+/// check and the envelope's edge (`beyond`) stay on the whole prompt.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_cached(
+    limits: &Limits,
+    over: OverLimit,
+    beyond: Beyond,
+    endpoint: Endpoint,
+    prompt_tokens: &[u64],
+    cached: &[u64],
+    asked: Option<u64>,
+    n: u64,
+) -> Result<Plan, GovernError> {
     let ctx = limits.max_context_tokens;
     let out = limits.max_output_tokens;
     let longest = prompt_tokens.iter().copied().max().unwrap_or(0);
@@ -159,10 +181,16 @@ pub fn plan(
         Some(a) => (a, OutputDecision::Kept),
     };
     let mut charges: Vec<BucketCharge> = vec![];
-    for &p in prompt_tokens {
+    let mut credited = 0;
+    for (i, &p) in prompt_tokens.iter().enumerate() {
         let total = p + max_tokens;
+        let c = cached.get(i).copied().unwrap_or(0).min(p.saturating_sub(1));
         let (bucket, units) = match charge_for(limits, total) {
-            Some(charge) => charge,
+            Some(whole) => {
+                credited += c * n;
+                // A smaller total is inside the envelope too.
+                charge_for(limits, total - c).unwrap_or(whole)
+            }
             None => match (beyond, limits.largest_bucket()) {
                 (Beyond::Alone, _) | (_, None) => (limits.buckets.len(), CAPACITY_UNITS),
                 (Beyond::Refuse, Some(b)) => {
@@ -200,6 +228,7 @@ pub fn plan(
             capacity: charges.iter().map(|c| c.capacity).sum(),
         },
         prompt_tokens: prompt_tokens.iter().sum(),
+        cached_tokens: credited,
         longest_prompt_tokens: longest,
         charges,
     })
@@ -497,5 +526,67 @@ mod tests {
         let small = effective_limits(&limits(), Level::SmallContext, 0.5);
         assert!(!pl.fits(&small));
         assert!(p(&[10], Some(10), 1).unwrap().fits(&small));
+    }
+
+    #[test]
+    fn cached_prompt_tokens_are_taken_off_the_compute_charge_not_the_kv() {
+        let t = table();
+        let plan = |prompts: &[u64], cached: &[u64], n| {
+            plan_cached(
+                &t,
+                OverLimit::Clamp,
+                Beyond::Refuse,
+                Endpoint::Chat,
+                prompts,
+                cached,
+                Some(10),
+                n,
+            )
+            .unwrap()
+        };
+        // 60 + 10 = 70 tokens: between 40x10 (50, safe 12) and 70x30 (100,
+        // safe 4), charged on the line between them.
+        let cold = plan(&[60], &[], 1);
+        assert_eq!(cold.charges[0].capacity, charge_for(&t, 70).unwrap().1);
+        assert_eq!(cold.cached_tokens, 0);
+        // 30 of its prompt cached: 30 + 10 = 40, under the smallest bucket,
+        // charged as 40x10; KV still the whole 70; counted in 40x10.
+        let warm = plan(&[60], &[30], 1);
+        assert_eq!(warm.charges[0].capacity, units_per_sequence(12));
+        assert_eq!(warm.charges[0].bucket, 0);
+        assert_eq!(warm.demand.kv_tokens, 70);
+        assert_eq!(warm.demand.seqs, 1);
+        assert_eq!(warm.cached_tokens, 30);
+        assert!(warm.demand.capacity < cold.demand.capacity);
+        // Never the whole prompt: at most all but its last token.
+        let all = plan(&[60], &[500], 1);
+        assert_eq!(all.cached_tokens, 59);
+        assert_eq!(all.charges[0].capacity, charge_for(&t, 11).unwrap().1);
+        // Per group, and per sequence of each: two groups, one cached.
+        let two = plan(&[60, 60], &[30], 2);
+        assert_eq!(two.cached_tokens, 60);
+        assert_eq!(
+            two.demand.capacity,
+            2 * units_per_sequence(12) + 2 * charge_for(&t, 70).unwrap().1
+        );
+        assert_eq!(two.demand.kv_tokens, 4 * 70);
+        // The envelope's edge is the whole prompt's: cached tokens do not
+        // bring a prompt past the largest bucket inside it.
+        let mut wide = t.clone();
+        wide.max_context_tokens = 200;
+        let past = plan_cached(
+            &wide,
+            OverLimit::Clamp,
+            Beyond::Refuse,
+            Endpoint::Chat,
+            &[120],
+            &[110],
+            Some(10),
+            1,
+        );
+        assert!(
+            matches!(past, Err(GovernError::BeyondEnvelope { .. })),
+            "{past:?}"
+        );
     }
 }

@@ -361,30 +361,13 @@ pub fn trace_line(f: &Finished, salt: &[u8]) -> TraceRequest {
 /// Chained, salted block ids of the first prompt (a request of several
 /// prompts is recorded by its first), and the tokens a block spans.
 pub fn prefix_blocks(prompts: &Prompts, input_tokens: u64, salt: &[u8]) -> (Vec<u64>, Option<u32>) {
-    let (bytes, block, tokens_per_block): (Vec<u8>, usize, Option<u32>) = match prompts {
-        Prompts::Tokens(v) => {
-            let Some(ids) = v.first() else {
-                return (vec![], None);
-            };
-            let b = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-            (b, BLOCK_TOKENS * 4, Some(BLOCK_TOKENS as u32))
-        }
-        Prompts::Texts(v) => {
-            let Some(t) = v.first() else {
-                return (vec![], None);
-            };
-            (t.as_bytes().to_vec(), BLOCK_BYTES, None)
-        }
-        Prompts::Messages(m) => {
-            let mut b = vec![];
-            for (role, content) in &m.messages {
-                b.extend_from_slice(role.as_bytes());
-                b.push(0);
-                b.extend_from_slice(content.as_bytes());
-                b.push(0);
-            }
-            (b, BLOCK_BYTES, None)
-        }
+    let tokens_per_block = matches!(prompts, Prompts::Tokens(_)).then_some(BLOCK_TOKENS as u32);
+    let block = match tokens_per_block {
+        Some(t) => t as usize * 4,
+        None => BLOCK_BYTES,
+    };
+    let Some(bytes) = prompts.group_bytes().into_iter().next() else {
+        return (vec![], None);
     };
     if bytes.is_empty() {
         return (vec![], None);

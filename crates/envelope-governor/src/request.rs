@@ -145,6 +145,30 @@ impl Prompts {
             Prompts::Messages(_) => 1,
         }
     }
+
+    /// Each group's prompt as the bytes it is hashed by, in order: a text
+    /// as it is, token ids little-endian, a chat's messages as role, 0,
+    /// text, 0 each. Equal leading bytes are an equal prompt prefix.
+    pub fn group_bytes(&self) -> Vec<std::borrow::Cow<'_, [u8]>> {
+        use std::borrow::Cow;
+        match self {
+            Prompts::Texts(v) => v.iter().map(|t| Cow::Borrowed(t.as_bytes())).collect(),
+            Prompts::Tokens(v) => v
+                .iter()
+                .map(|ids| Cow::Owned(ids.iter().flat_map(|t| t.to_le_bytes()).collect()))
+                .collect(),
+            Prompts::Messages(m) => {
+                let mut b = vec![];
+                for (role, content) in &m.messages {
+                    b.extend_from_slice(role.as_bytes());
+                    b.push(0);
+                    b.extend_from_slice(content.as_bytes());
+                    b.push(0);
+                }
+                vec![Cow::Owned(b)]
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

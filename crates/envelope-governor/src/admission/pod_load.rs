@@ -72,5 +72,11 @@ impl Governor {
         m.kv_reserved_ratio.set(p.kv_reserved_ratio());
         m.saturation.set(p.saturation());
         m.admission_headroom.set(p.admission_headroom());
+        let (trust, rates) = self.prefix.trust();
+        m.prefix_trust.set(trust.value);
+        m.prefix_estimated_hit_rate
+            .set(rates.estimated.unwrap_or(-1.0));
+        m.prefix_observed_hit_rate
+            .set(rates.observed.unwrap_or(-1.0));
     }
 }

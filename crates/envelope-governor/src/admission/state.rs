@@ -63,6 +63,7 @@ impl Governor {
             "drain_rate_tokens_per_s": g.drain.rate_tokens_per_s(now_ms),
             "service_ms": g.drain.service_ms(),
             "added_latency_us": added,
+            "prefix_cache": self.prefix.state_json(),
         })
     }
 }

@@ -29,6 +29,9 @@ pub struct Placed {
     pub budget: Option<crate::budget::Hold>,
     pub plan: policy::Plan,
     pub source: CountSource,
+    /// Prompt tokens the governor estimated in the upstream's prefix cache
+    /// (before trust: what the answer's report is held against).
+    pub estimated_cached: u64,
 }
 
 impl Placed {
@@ -37,6 +40,8 @@ impl Placed {
         Held {
             permit: self.permit,
             budget: self.budget,
+            estimated_cached: self.estimated_cached,
+            prompt_tokens: self.plan.prompt_tokens,
         }
     }
 }
@@ -68,6 +73,12 @@ pub(crate) async fn place(
     let feature = inc.feature.as_deref();
     let seqs = policy::sequences(counted.counts.len(), parsed.n);
     let current = s.gov.limits();
+    // What the upstream's prefix cache probably holds of the prompt, as
+    // far as its reports let the governor believe it.
+    let prefix = s
+        .gov
+        .prefix
+        .estimate(&who.tenant, &parsed.prompts, &counted.counts);
     let planned = plan_request(&PlanInputs {
         profile: &settings.limits,
         current: &current,
@@ -75,6 +86,7 @@ pub(crate) async fn place(
         beyond: settings.beyond,
         endpoint: parsed.endpoint,
         counts: &counted.counts,
+        cached: &prefix.credited,
         source,
         max_tokens: parsed.max_tokens,
         n: parsed.n,
@@ -115,6 +127,10 @@ pub(crate) async fn place(
             None => return Ok(None),
         },
     };
+    s.gov.prefix.sent(&prefix, plan.prompt_tokens);
+    let m = &s.gov.metrics;
+    m.prefix_estimated_tokens.inc_by(prefix.estimated_total());
+    m.prefix_credited_tokens.inc_by(plan.cached_tokens);
     s.gov
         .metrics
         .output_decisions
@@ -128,5 +144,6 @@ pub(crate) async fn place(
         budget,
         plan,
         source,
+        estimated_cached: prefix.estimated_total(),
     }))
 }

@@ -49,6 +49,7 @@ pub fn named(
 const MAX_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-max-tokens");
 const DECISION_HEADER: HeaderName = HeaderName::from_static("x-envelope-max-tokens-decision");
 const PROMPT_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-prompt-tokens");
+const CACHED_TOKENS_HEADER: HeaderName = HeaderName::from_static("x-envelope-prompt-cached-tokens");
 const TOKEN_COUNT_HEADER: HeaderName = HeaderName::from_static("x-envelope-token-count");
 const QUEUE_MS_HEADER: HeaderName = HeaderName::from_static("x-envelope-queue-ms");
 
@@ -67,6 +68,7 @@ pub fn placed_headers(placed: &Placed) -> impl Iterator<Item = (HeaderName, Head
             HeaderValue::from_static(placed.plan.decision.label()),
         ),
         (PROMPT_TOKENS_HEADER, number(placed.plan.prompt_tokens)),
+        (CACHED_TOKENS_HEADER, number(placed.plan.cached_tokens)),
         (
             TOKEN_COUNT_HEADER,
             HeaderValue::from_static(placed.source.label()),

@@ -23,6 +23,9 @@ pub(crate) struct PlanInputs<'a> {
     pub endpoint: Endpoint,
     /// Prompt tokens per group, and how they were counted.
     pub counts: &'a [u64],
+    /// Prompt tokens per group credited as in the upstream's prefix cache
+    /// ([`crate::prefix_cache`]).
+    pub cached: &'a [u64],
     pub source: CountSource,
     /// The request's `max_tokens` and `n`.
     pub max_tokens: Option<u64>,
@@ -55,12 +58,13 @@ pub(crate) enum Planned {
 /// fitting by an upper bound is a 429 (come back when it can be counted).
 pub(crate) fn plan_request(i: &PlanInputs<'_>) -> Result<Planned, GovernError> {
     let plan_for = |limits: &Limits, max_tokens: Option<u64>| {
-        policy::plan(
+        policy::plan_cached(
             limits,
             i.over_limit,
             i.beyond,
             i.endpoint,
             i.counts,
+            i.cached,
             max_tokens,
             i.n,
         )
@@ -138,6 +142,7 @@ mod tests {
             beyond: Beyond::Refuse,
             endpoint: Endpoint::Chat,
             counts,
+            cached: &[],
             source: CountSource::Tokenizer,
             max_tokens,
             n: 1,

@@ -68,7 +68,7 @@ struct Flow {
     tail: Tail,
     /// The tail's `usage`, read once when the answer ends (the tiers'
     /// report, the budgets' bill and the permit each want it).
-    usage: Option<(Option<u64>, Option<u64>)>,
+    usage: Option<(Option<u64>, Option<u64>, Option<u64>)>,
     events: u64,
     done: bool,
     /// Told how the stream ended, once.
@@ -136,9 +136,10 @@ impl Tail {
         }
     }
 
-    /// The `usage` numbers at the end: prompt and completion tokens.
-    fn usage(&self) -> (Option<u64>, Option<u64>) {
-        crate::answer_usage::prompt_and_completion(self.bytes())
+    /// The `usage` numbers at the end: prompt, completion and cached
+    /// prompt tokens.
+    fn usage(&self) -> (Option<u64>, Option<u64>, Option<u64>) {
+        crate::answer_usage::numbers(self.bytes())
     }
 }
 
@@ -207,21 +208,22 @@ impl Flow {
         (ttft, itl, None)
     }
 
-    /// The answer's `usage` numbers (prompt, completion), found in its
-    /// tail once: read only when the answer has ended.
-    fn usage(&mut self) -> (Option<u64>, Option<u64>) {
+    /// The answer's `usage` numbers (prompt, completion, cached), found
+    /// in its tail once: read only when the answer has ended.
+    fn usage(&mut self) -> (Option<u64>, Option<u64>, Option<u64>) {
         *self.usage.get_or_insert_with(|| self.tail.usage())
     }
 
     /// How the answer ended and what it used.
     fn settlement(&mut self, ending: Ending) -> Settlement {
-        let (prompt_tokens, completion_tokens) = self.usage();
+        let (prompt_tokens, completion_tokens, cached_tokens) = self.usage();
         let whole_ok = ending == Ending::Whole && self.ok;
         Settlement {
             ending,
             refused_by_upstream: !self.ok,
             prompt_tokens,
             completion_tokens,
+            cached_tokens,
             events: self.sse.then_some(self.events),
             latency: whole_ok.then(|| self.timings()),
         }
@@ -412,6 +414,8 @@ pub fn relay(s: &GovernedUpstream, resp: Answer, permit: Option<Permit>) -> Resp
     let held = permit.map(|permit| Held {
         permit,
         budget: None,
+        estimated_cached: 0,
+        prompt_tokens: 0,
     });
     let end = now + Duration::from_millis(s.gov.settings().timeouts.max_request_ms);
     stream_back_with(s, resp, held, Some(now), end, [], None)
@@ -525,7 +529,7 @@ mod tests {
             let kept = t.bytes();
             assert!(kept.len() >= TAIL_BYTES.min(body.len()), "{size}");
             assert!(body.as_bytes().ends_with(kept), "{size}");
-            assert_eq!(t.usage(), (Some(12), Some(34)), "{size}");
+            assert_eq!(t.usage(), (Some(12), Some(34), None), "{size}");
         }
     }
 

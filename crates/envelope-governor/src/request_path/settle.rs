@@ -14,6 +14,10 @@ use crate::error::GovernError;
 pub(crate) struct Held {
     pub permit: Permit,
     pub budget: Option<Hold>,
+    /// Prompt tokens estimated in the upstream's prefix cache, of
+    /// `prompt_tokens` counted.
+    pub estimated_cached: u64,
+    pub prompt_tokens: u64,
 }
 
 /// How an admitted request's answer ended.
@@ -39,6 +43,8 @@ pub(crate) struct Settlement {
     /// The `usage` numbers the answer ended with.
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`, where the answer gives it.
+    pub cached_tokens: Option<u64>,
     /// SSE data events seen, for a stream (about one a token, and a
     /// closing `[DONE]` on a whole one); `None` for a whole body.
     pub events: Option<u64>,
@@ -57,6 +63,7 @@ impl Settlement {
             refused_by_upstream: false,
             prompt_tokens: None,
             completion_tokens: None,
+            cached_tokens: None,
             events: None,
             latency: None,
         }
@@ -99,7 +106,12 @@ impl Settlement {
 impl Held {
     /// Settles the request by how its answer ended, and releases it.
     pub(crate) fn settle(self, s: &Settlement) {
-        let Held { mut permit, budget } = self;
+        let Held {
+            mut permit,
+            budget,
+            estimated_cached,
+            prompt_tokens,
+        } = self;
         if let Some(hold) = budget {
             match s.ending {
                 Ending::NotSent => hold.refund(),
@@ -111,6 +123,12 @@ impl Held {
                         output_tokens: s.output_tokens(r.output_tokens),
                     });
                 }
+            }
+        }
+        if s.ending == Ending::Whole && !s.refused_by_upstream {
+            // What the upstream says it found, against what was estimated.
+            if let Some(reported) = s.cached_tokens {
+                permit.answered_cached(estimated_cached, reported, prompt_tokens);
             }
         }
         if s.ending == Ending::Whole {
