@@ -147,6 +147,38 @@ async fn overload_direct_preempts_governed_does_not() {
         m.contains("envelope_governor_rejections_total{mode=\"single\",reason=\"queue_full\"}"),
         "{m}"
     );
+
+    // `envelope serve` keeps no prefix cache and reports none: the
+    // governor sees prompts that share their first blocks and credits
+    // none of them, whatever its own record says.
+    let shared = "the same long system text ".repeat(40);
+    let client = reqwest::Client::new();
+    for i in 0..4 {
+        let r = client
+            .post(gov.url("/v1/completions"))
+            .json(&json!({"model": "dummy:tiny", "prompt": format!("{shared} question {i}"), "max_tokens": 2}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-envelope-prompt-cached-tokens"], "0");
+        // A poll of the server's metrics between calls (every 200 ms).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let m = gov.metrics_page().await;
+    let series = |name: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} not on /metrics:\n{m}"))
+    };
+    assert!(series("envelope_governor_prefix_cache_estimated_tokens_total") > 0.0);
+    assert_eq!(
+        series("envelope_governor_prefix_cache_credited_tokens_total"),
+        0.0
+    );
+    assert_eq!(series("envelope_governor_prefix_cache_trust"), 0.0);
+    let state = gov.state().await;
+    assert_eq!(state["prefix_cache"]["readings"], 0, "{state}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -179,11 +179,12 @@ pub fn spawn_guard(
             // What the server says of its prefix cache checks the
             // governor's estimate of it (crate::prefix_cache).
             if let Ok(s) = &state {
-                gov.prefix.polled(
-                    s.prefix_caching,
-                    s.prefix_cache_queries_total.zip(s.prefix_cache_hits_total),
-                    s.kv_capacity_tokens,
-                );
+                gov.prefix.polled(&crate::prefix_cache::ServerReport {
+                    caching: s.prefix_caching,
+                    counters: s.prefix_cache_queries_total.zip(s.prefix_cache_hits_total),
+                    kv_capacity_tokens: s.kv_capacity_tokens,
+                    block_size: s.kv_block_size,
+                });
             }
             let (r, line) = watch.reading(state, free);
             if let Some(line) = line {

@@ -157,7 +157,8 @@ impl Record {
 /// Tokens of a prompt of `tokens` tokens and `bytes` bytes whose first
 /// `matched_bytes` the server holds: that share of its tokens, rounded
 /// down, and never the whole prompt (a server computes at least its last
-/// token).
+/// token). [`PrefixCache::estimate`] rounds it down to the server's
+/// blocks.
 pub fn cached_tokens(tokens: u64, bytes: usize, matched_bytes: usize) -> u64 {
     if bytes == 0 || tokens == 0 {
         return 0;
@@ -227,6 +228,18 @@ struct Poll {
     prompt: u64,
 }
 
+/// What one poll of the server's metrics says of its cache: whether it
+/// caches prefixes at all (`None`: not said), its prefix-cache counters
+/// (tokens queried and found since it started), its KV capacity in tokens
+/// and the tokens a block holds (a prefix is found in whole blocks).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ServerReport {
+    pub caching: Option<bool>,
+    pub counters: Option<(f64, f64)>,
+    pub kv_capacity_tokens: Option<f64>,
+    pub block_size: Option<f64>,
+}
+
 /// The hit rates of the last reading, for `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct HitRates {
@@ -248,6 +261,8 @@ struct State {
     sent: Poll,
     polls: VecDeque<Poll>,
     rates: HitRates,
+    /// Tokens a server KV block holds (1 until the server says).
+    block_size: u64,
 }
 
 /// A request's prompt against the record: per prompt group, the tokens
@@ -296,6 +311,7 @@ impl PrefixCache {
                 sent: Poll::default(),
                 polls: VecDeque::new(),
                 rates: HitRates::default(),
+                block_size: 1,
             }),
         }
     }
@@ -321,7 +337,8 @@ impl PrefixCache {
             .zip(counts)
             .map(|(b, &tokens)| {
                 let matched = s.record.matched(&b.ids) * BLOCK_BYTES;
-                cached_tokens(tokens, b.bytes, matched)
+                let c = cached_tokens(tokens, b.bytes, matched);
+                c - c % s.block_size
             })
             .collect();
         let credited = estimated
@@ -367,19 +384,19 @@ impl PrefixCache {
         }
     }
 
-    /// One poll of the server's metrics: whether it caches prefixes at all
-    /// (`None`: not said), its prefix-cache counters (tokens queried and
-    /// found, since it started), and its KV capacity in tokens.
-    pub fn polled(
-        &self,
-        caching: Option<bool>,
-        counters: Option<(f64, f64)>,
-        kv_capacity_tokens: Option<f64>,
-    ) {
+    /// One poll of what the server says of its cache.
+    pub fn polled(&self, report: &ServerReport) {
         let mut s = self.lock();
-        if let Some(t) = kv_capacity_tokens.filter(|t| t.is_finite() && *t >= 1.0) {
+        if let Some(t) = report
+            .kv_capacity_tokens
+            .filter(|t| t.is_finite() && *t >= 1.0)
+        {
             s.record.set_capacity(Record::blocks_for_tokens(t as u64));
         }
+        if let Some(b) = report.block_size.filter(|b| b.is_finite() && *b >= 1.0) {
+            s.block_size = b as u64;
+        }
+        let (caching, counters) = (report.caching, report.counters);
         let mut poll = std::mem::take(&mut s.sent);
         if caching == Some(false) {
             // The server says it keeps no prefix: nothing is credited.
@@ -467,6 +484,7 @@ impl PrefixCache {
             "observed_hit_rate": s.rates.observed,
             "recorded_blocks": s.record.len(),
             "record_capacity_blocks": s.record.capacity,
+            "server_block_tokens": s.block_size,
             "tenants": tenants,
         })
     }

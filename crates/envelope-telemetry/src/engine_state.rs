@@ -43,6 +43,10 @@ pub struct EngineState {
     /// prefix (vLLM's `enable_prefix_caching`).
     #[serde(default)]
     pub prefix_caching: Option<bool>,
+    /// Tokens a KV block holds (vLLM's `block_size`): a prefix is found in
+    /// the cache in whole blocks.
+    #[serde(default)]
+    pub kv_block_size: Option<f64>,
     /// Prompt tokens looked up in the prefix cache, and of those found
     /// there, since the server started (vLLM's
     /// `prefix_cache_queries_total` / `prefix_cache_hits_total`; SGLang
@@ -351,8 +355,13 @@ pub fn parse_engine_state(text: &str) -> Result<EngineState, MetricsError> {
             ),
             _ => (None, None, None, None),
         };
+    let kv_block_size = match engine {
+        EngineKind::Vllm => f.info_number(info, "block_size"),
+        _ => None,
+    };
     Ok(EngineState {
         kv_capacity_tokens,
+        kv_block_size,
         kv_bytes_per_token,
         prefix_caching,
         prefix_cache_queries_total,
@@ -468,6 +477,7 @@ vllm:cache_config_info{block_size="128",enable_prefix_caching="True",engine="0",
         let s = parse_engine_state(VLLM_CACHE).unwrap();
         assert_eq!(s.engine, EngineKind::Vllm);
         assert_eq!(s.kv_capacity_tokens, Some(23296.0));
+        assert_eq!(s.kv_block_size, Some(128.0));
         // 1 GiB over 23,296 tokens: 30 layers x 3 KV heads x 64 dims x 2 x 4 bytes, rounded up by the blocks.
         assert!(
             (s.kv_bytes_per_token.unwrap() - 46_091.0).abs() < 1.0,

@@ -165,6 +165,49 @@ fn llama_server_four_slots_swept_at_half_confidence_then_governed_by_defaults() 
         json!({"model": "smollm2", "prompt": over, "max_tokens": 4}),
     );
 
+    // Calls that share a long system prompt, one after another: llama.cpp
+    // keeps each slot's last prompt and reports what it reused
+    // (`cached_tokens`). The governor credits what its own record of sent
+    // prefixes estimates only as far as those reports confirm it: never
+    // more than the server found, and nothing before it said anything.
+    let system = english(context / 3, &count);
+    let (mut credited, mut reported) = (vec![], vec![]);
+    for i in 0..6 {
+        let r = reqwest::blocking::Client::new()
+            .post(g.url("/v1/chat/completions"))
+            .json(&json!({"model": "smollm2", "max_tokens": 4, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("Question {i}: what is this about?")}]}))
+            .send()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let header = &r.headers()["x-envelope-prompt-cached-tokens"];
+        credited.push(header.to_str().unwrap().parse::<u64>().unwrap());
+        let v: Value = r.json().unwrap();
+        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+        reported.push(
+            cached
+                .as_u64()
+                .unwrap_or_else(|| panic!("no cached_tokens: {v}")),
+        );
+    }
+    let state = reqwest::blocking::get(g.url("/admin/state"))
+        .unwrap()
+        .json::<Value>()
+        .unwrap();
+    eprintln!(
+        "llama-server, shared system prompt: credited {credited:?}, reported cached {reported:?}; {}",
+        state["prefix_cache"]
+    );
+    assert_eq!(credited[0], 0, "credited before the server said anything");
+    assert!(
+        credited.iter().sum::<u64>() <= reported.iter().sum::<u64>(),
+        "credited {credited:?} past what llama-server reported {reported:?}"
+    );
+    // It did reuse the prompt, and the governor came to believe it.
+    assert!(reported[1..].iter().all(|&c| c > 0), "{reported:?}");
+    assert!(credited[5] > 0, "{credited:?} {reported:?}");
+
     // 4x the safe concurrency, straight and governed, streaming. This
     // server closes the connection after every streamed answer (while its
     // headers say keep-alive): the governor's next request on it gets no

@@ -18,6 +18,7 @@
 //! runs this module after the rest (`cargo test --test it foreign_servers::`),
 //! one test at a time.
 
+mod agents;
 mod llama_cpp;
 mod vllm;
 
@@ -327,6 +328,10 @@ pub(super) struct Outcome {
     pub(super) e2e_s: f64,
     /// Seconds from the loop's start to the answer's end.
     pub(super) end_s: f64,
+    /// The answer's text (an agent sends it back in its next call).
+    pub(super) text: String,
+    /// The governor's `x-envelope-prompt-cached-tokens`, where it answered.
+    pub(super) credited: Option<u64>,
 }
 
 /// The path and body of a closed loop's n-th request (n counts every
@@ -387,7 +392,7 @@ fn loop_until(base: &str, clients: usize, ask: Ask, cap: Duration, answers: usiz
         .collect()
 }
 
-fn one_request(client: &reqwest::blocking::Client, url: &str, body: &Value) -> Outcome {
+pub(super) fn one_request(client: &reqwest::blocking::Client, url: &str, body: &Value) -> Outcome {
     let stream = body["stream"] == json!(true);
     let mut o = Outcome::default();
     let t0 = Instant::now();
@@ -400,9 +405,19 @@ fn one_request(client: &reqwest::blocking::Client, url: &str, body: &Value) -> O
         .get("retry-after")
         .and_then(|v| v.to_str().ok()?.parse::<f64>().ok());
     o.retry_after = wait.is_some();
+    o.credited = r
+        .headers()
+        .get("x-envelope-prompt-cached-tokens")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
     if o.status == 200 && !stream {
         let v: Value = r.json().unwrap_or_default();
         o.whole = v["choices"][0]["finish_reason"].is_string();
+        let c = &v["choices"][0];
+        o.text = c["message"]["content"]
+            .as_str()
+            .or(c["text"].as_str())
+            .unwrap_or_default()
+            .to_string();
     } else if o.status == 200 {
         let (mut finish, mut done) = (false, false);
         for line in BufReader::new(r).lines() {
@@ -420,6 +435,7 @@ fn one_request(client: &reqwest::blocking::Client, url: &str, body: &Value) -> O
             if o.ttft_s.is_none() && text.is_some_and(|t| !t.is_empty()) {
                 o.ttft_s = Some(t0.elapsed().as_secs_f64());
             }
+            o.text.push_str(text.unwrap_or_default());
             finish |= c["finish_reason"].is_string();
         }
         o.whole = finish && done;

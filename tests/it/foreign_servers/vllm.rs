@@ -14,7 +14,12 @@
 //!   when vLLM's KV fills from traffic that bypasses the governor.
 //! - With 1 GiB of KV (23,296 tokens; latency binds): closed loops of
 //!   distinct chat prompts between the two buckets at 1x, 2x and 4x the
-//!   profile's safe concurrency for their shape, straight and governed.
+//!   profile's safe concurrency for their shape, straight and governed;
+//!   then agents sharing a system prompt on the same server (its prefix
+//!   cache on) and on a second one started with it off
+//!   ([`prefix_cache`]).
+
+mod prefix_cache;
 
 use super::*;
 use crate::common::{temp_dir, Governor};
@@ -29,6 +34,10 @@ use std::time::{Duration, Instant};
 /// for sequences (one is its null block). A 64x32 sequence holds one
 /// block, a 256x32 one three (so two fit, and a third preempts).
 const SMALL_KV_BLOCKS: u32 = 8;
+/// The sweep's buckets. With 1 GiB of KV a third, for the agents'
+/// sessions (their prompts grow to about 430 tokens).
+const BUCKETS: &str = r#"["64x32", "256x32"]"#;
+const BUCKETS_1GIB: &str = r#"["64x32", "256x32", "512x32"]"#;
 /// The sweep's and the load's TTFT SLO, ms.
 const TTFT_SLO_MS: f64 = 4000.0;
 /// Output tokens of the load's chat requests.
@@ -48,6 +57,11 @@ static NEXT_PROMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 /// vLLM on loopback with `blocks` KV blocks of 128 tokens, else 1 GiB of
 /// KV (23,296 tokens of this model).
 fn vllm(dir: &Path, blocks: Option<u32>) -> Foreign {
+    vllm_with(dir, blocks, &[])
+}
+
+/// [`vllm`] with more of vLLM's flags.
+fn vllm_with(dir: &Path, blocks: Option<u32>, flags: &[&str]) -> Foreign {
     let python = foreign("ENVELOPE_VLLM_PYTHON");
     let model = foreign("ENVELOPE_VLLM_MODEL");
     let mut cmd = Command::new(python);
@@ -70,6 +84,7 @@ fn vllm(dir: &Path, blocks: Option<u32>) -> Foreign {
             "--port",
             &free_port().to_string(),
         ])
+        .args(flags)
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
         .args(
             blocks
@@ -166,7 +181,11 @@ fn shape_concurrency(profile: &Value, tokens: u64) -> usize {
 
 /// vLLM started, swept with defaults into `dir/out`, and governed with
 /// defaults: the server, the profile, the sweep's stderr and the governor.
-fn swept_and_governed(dir: &Path, blocks: Option<u32>) -> (Foreign, Value, String, Governor) {
+fn swept_and_governed(
+    dir: &Path,
+    blocks: Option<u32>,
+    buckets: &str,
+) -> (Foreign, Value, String, Governor) {
     let t0 = Instant::now();
     let server = vllm(dir, blocks);
     eprintln!("vLLM ready in {:.0} s", t0.elapsed().as_secs_f64());
@@ -180,7 +199,7 @@ base_url = "{}"
 model = "smollm2"
 
 [matrix]
-buckets = ["64x32", "256x32"]
+buckets = {buckets}
 
 [slo]
 ttft_p95_ms = {TTFT_SLO_MS}
@@ -217,8 +236,18 @@ ttft_p95_ms = {TTFT_SLO_MS}
 fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
-    let (server, profile, _, g) = swept_and_governed(&dir, None);
-    let (table, failed) = direct_and_governed(&server, &profile, &g);
+    let (server, profile, _, g) = swept_and_governed(&dir, None, BUCKETS_1GIB);
+    let (mut table, mut failed) = direct_and_governed(&server, &profile, &g);
+    // Agents on the same server and profile: their calls are mostly
+    // cached prefix, then the same with vLLM's cache off.
+    let (lines, agents_failed) = prefix_cache::agents_with_the_cache(&server, &profile, &g);
+    table += &lines;
+    failed.extend(agents_failed);
+    drop((g, server));
+    let (lines, agents_failed) = prefix_cache::agents_without_the_cache(&dir, &profile);
+    table += &lines;
+    failed.extend(agents_failed);
+    eprintln!("{table}");
     assert!(failed.is_empty(), "{failed:#?}\n{table}");
 }
 
@@ -249,8 +278,14 @@ struct Blocks {
     waits: String,
 }
 
-fn in_blocks(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) -> Blocks {
-    let cap = Duration::from_secs(120);
+/// `pairs` pairs of blocks, each block what `run` gives against a base
+/// URL: direct first, then governed first, and so on.
+fn in_blocks(
+    server: &Foreign,
+    g: &Governor,
+    pairs: usize,
+    run: impl Fn(&str) -> Vec<Outcome>,
+) -> Blocks {
     let (mut goodputs, mut answers) = ([vec![], vec![]], [vec![], vec![]]);
     let mut secs = [0.0; 2];
     let before = [
@@ -258,11 +293,11 @@ fn in_blocks(server: &Foreign, g: &Governor, clients: usize, ask: &Ask) -> Block
         governor_metric(g, "envelope_governor_added_latency_seconds_count"),
         governor_metric(g, "envelope_governor_queue_age_seconds_count"),
     ];
-    for pair in 0..BLOCK_PAIRS {
+    for pair in 0..pairs {
         let order = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
         for side in order {
             let base = [&server.base, &g.base][side];
-            let block = answers_loop(base, clients, BLOCK_ANSWERS, cap, ask.clone());
+            let block = run(base);
             goodputs[side].push(goodput(&block).0);
             secs[side] += block.iter().map(|o| o.end_s).fold(0.0, f64::max);
             answers[side].extend(block);
@@ -304,13 +339,14 @@ fn blocks_line(
         secs: [d_secs, g_secs],
         waits,
     } = blocks;
+    let pairs = direct.len();
     tally(
-        &format!("vLLM direct, {label}, {BLOCK_PAIRS} blocks"),
+        &format!("vLLM direct, {label}, {pairs} blocks"),
         d_all,
         *d_secs,
     );
     assert_governed(
-        &format!("vLLM governed, {label}, {BLOCK_PAIRS} blocks"),
+        &format!("vLLM governed, {label}, {pairs} blocks"),
         g_all,
         *g_secs,
         g,
@@ -318,7 +354,7 @@ fn blocks_line(
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
     let (decision, (lo, hi)) = compare(direct, governed);
     let line = format!(
-        "{label} ({clients} clients, {BLOCK_PAIRS} blocks a side of {BLOCK_ANSWERS} answers a client): direct {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {direct:.2?}), governed {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {governed:.2?}), {:.2} of direct (90% interval {lo:.2}..{hi:.2}): {decision:?}; {waits}\n",
+        "{label} ({clients} clients, {pairs} blocks a side): direct {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {direct:.2?}), governed {:.2}/s (TTFT p95 {:.2} s, SLO {:?}; blocks {governed:.2?}), {:.2} of direct (90% interval {lo:.2}..{hi:.2}): {decision:?}; {waits}\n",
         mean(direct),
         goodput(d_all).1,
         meets_the_slo(d_all),
@@ -329,6 +365,15 @@ fn blocks_line(
     );
     eprint!("{line}");
     (line, decision, (lo, hi))
+}
+
+/// The gate's rule over blocks: `governed >= factor x baseline` fails
+/// only when the interval of the ratio (Welch, 90%) lies below the
+/// factor. The decision and the interval, as a ratio.
+fn decided(baseline: &[f64], governed: &[f64], factor: f64) -> (Decision, (f64, f64)) {
+    let c = compare_repeats(baseline, governed, factor, true, 0.9, 0.1).unwrap();
+    let (lo, hi) = c.interval.unwrap_or((f64::NAN, f64::NAN));
+    (c.decision, (lo * factor, hi * factor))
 }
 
 /// Closed loops of distinct chat prompts at 1x, 2x and 4x their shape's
@@ -376,20 +421,18 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
     let mut table = String::new();
     let mut failed: Vec<String> = vec![];
     let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-    // The gate's rule over the blocks: `governed >= factor x baseline`
-    // fails only when the interval of the ratio (Welch, 90%) lies below
-    // the factor. The interval, as a ratio.
-    let decided = |baseline: &[f64], governed: &[f64], factor: f64| {
-        let c = compare_repeats(baseline, governed, factor, true, 0.9, 0.1).unwrap();
-        let (lo, hi) = c.interval.unwrap_or((f64::NAN, f64::NAN));
-        (c.decision, (lo * factor, hi * factor))
-    };
 
     // Inside the envelope the governor costs nothing.
-    let at_1x = in_blocks(server, g, safe, &ask);
+    let cap = Duration::from_secs(120);
+    let run = |clients: usize| {
+        let ask = ask.clone();
+        move |base: &str| answers_loop(base, clients, BLOCK_ANSWERS, cap, ask.clone())
+    };
+    let label = |x: &str| format!("{x}, {BLOCK_ANSWERS} answers a client a block");
+    let at_1x = in_blocks(server, g, BLOCK_PAIRS, run(safe));
     let direct_1x = &at_1x.goodputs[0];
     let (line, decision, (lo, hi)) =
-        blocks_line("1x", safe, &at_1x, g, |d, gv| decided(d, gv, 0.95));
+        blocks_line(&label("1x"), safe, &at_1x, g, |d, gv| decided(d, gv, 0.95));
     table += &line;
     if decision == Decision::Breached {
         failed.push(format!(
@@ -401,8 +444,10 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
     // lands near the SLO on this machine (3.74 s to 5.09 s over the runs
     // in docs/measurements/2026-12-06-vllm-chain.md), and one 30 s loop a
     // side read governed 0.92 of a direct that had just broken it.
-    let at_2x = in_blocks(server, g, safe * 2, &ask);
-    let (line, _, _) = blocks_line("2x", safe * 2, &at_2x, g, |d, gv| decided(d, gv, 1.0));
+    let at_2x = in_blocks(server, g, BLOCK_PAIRS, run(safe * 2));
+    let (line, _, _) = blocks_line(&label("2x"), safe * 2, &at_2x, g, |d, gv| {
+        decided(d, gv, 1.0)
+    });
     table += &line;
     let [direct_2x, governed_2x] = &at_2x.goodputs;
     let breached = |(decision, (lo, hi)): (Decision, (f64, f64)), rule: &str| {
@@ -496,7 +541,7 @@ fn direct_and_governed(server: &Foreign, profile: &Value, g: &Governor) -> (Stri
 fn vllm_small_kv_swept_and_governed_by_defaults() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv");
-    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let (server, profile, err, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), BUCKETS);
     let config = &profile["configs"][0];
     // What vLLM says of its cache, in the profile and the report.
     let memory = &config["memory"];
@@ -627,7 +672,7 @@ fn vllm_small_kv_swept_and_governed_by_defaults() {
 fn vllm_small_kv_direct_and_governed_table() {
     let _serial = one_at_a_time();
     let dir = temp_dir("envelope-foreign", "vllm-small-kv-table");
-    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS));
+    let (server, profile, _, g) = swept_and_governed(&dir, Some(SMALL_KV_BLOCKS), BUCKETS);
     let (table, failed) = direct_and_governed(&server, &profile, &g);
     eprintln!("small KV ({SMALL_KV_BLOCKS} blocks):\n{table}rules not held: {failed:#?}");
 }

@@ -17,6 +17,21 @@ fn system(blocks: usize) -> String {
     "s".repeat(blocks * BLOCK_BYTES - "system".len() - 2)
 }
 
+/// One poll of the server's metrics.
+fn polled(
+    pc: &PrefixCache,
+    caching: Option<bool>,
+    counters: Option<(f64, f64)>,
+    kv_capacity_tokens: Option<f64>,
+) {
+    pc.polled(&ServerReport {
+        caching,
+        counters,
+        kv_capacity_tokens,
+        block_size: None,
+    });
+}
+
 #[test]
 fn two_prompts_share_their_common_blocks_and_no_more() {
     let h = foldhash::quality::RandomState::default();
@@ -116,11 +131,11 @@ fn credit_follows_the_servers_counters_and_falls_with_them() {
     assert!(want > 150, "{want} of 300");
     assert_eq!(second.credited, vec![0]);
     // The server's counters: the first poll is the baseline.
-    pc.polled(Some(true), Some((1000.0, 500.0)), None);
+    polled(&pc, Some(true), Some((1000.0, 500.0)), None);
     pc.sent(&second, 300);
     // It found as much as was estimated: trust rises halfway each reading.
     let found = want as f64;
-    pc.polled(Some(true), Some((1600.0, 500.0 + found)), None);
+    polled(&pc, Some(true), Some((1600.0, 500.0 + found)), None);
     let (trust, rates) = pc.trust();
     assert_eq!(trust.value, 0.5);
     // Estimated: of the 600 prompt tokens sent over the window.
@@ -138,7 +153,7 @@ fn credit_follows_the_servers_counters_and_falls_with_them() {
     for _ in 0..4 {
         pc.sent(&third, 300);
         totals = (totals.0 + 300.0, totals.1 + found);
-        pc.polled(Some(true), Some(totals), None);
+        polled(&pc, Some(true), Some(totals), None);
     }
     assert!(pc.trust().0.value > 0.9, "{:?}", pc.trust());
     // The cache is flushed: the server finds nothing of what was sent.
@@ -146,14 +161,14 @@ fn credit_follows_the_servers_counters_and_falls_with_them() {
     pc.sent(&third, 300);
     pc.sent(&third, 300);
     totals.0 += 600.0;
-    pc.polled(Some(true), Some(totals), None);
+    polled(&pc, Some(true), Some(totals), None);
     // The window still holds earlier hits; the reading is the window's.
     let after = pc.trust().0.value;
     assert!(after < 0.7, "{after}");
     for _ in 0..3 {
         pc.sent(&third, 300);
         totals.0 += 300.0;
-        pc.polled(Some(true), Some(totals), None);
+        polled(&pc, Some(true), Some(totals), None);
     }
     assert_eq!(pc.trust().0.value, 0.0);
     assert_eq!(pc.estimate("a", &agent_call(3), &tokens).credited, vec![0]);
@@ -166,18 +181,18 @@ fn a_server_that_keeps_no_prefix_or_says_nothing_is_never_credited() {
     pc.sent(&e, 300);
     // Says nothing (no counters, no caching flag): no reading at all.
     for _ in 0..5 {
-        pc.polled(None, None, None);
+        polled(&pc, None, None, None);
     }
     assert_eq!(pc.trust().0.readings, 0);
     let e = pc.estimate("a", &agent_call(1), &[300]);
     assert!(e.estimated[0] > 0);
     assert_eq!(e.credited, vec![0]);
     // Counters that hit, then a server that says it keeps no prefix.
-    pc.polled(Some(true), Some((0.0, 0.0)), None);
+    polled(&pc, Some(true), Some((0.0, 0.0)), None);
     pc.sent(&e, 300);
-    pc.polled(Some(true), Some((300.0, e.estimated[0] as f64)), None);
+    polled(&pc, Some(true), Some((300.0, e.estimated[0] as f64)), None);
     assert!(pc.trust().0.value > 0.0);
-    pc.polled(Some(false), Some((300.0, e.estimated[0] as f64)), None);
+    polled(&pc, Some(false), Some((300.0, e.estimated[0] as f64)), None);
     assert_eq!(pc.trust().0.value, 0.0);
 }
 
@@ -188,13 +203,13 @@ fn a_restarted_servers_counters_count_from_zero() {
     pc.sent(&e, 300);
     let e = pc.estimate("a", &agent_call(1), &[300]);
     let est = e.estimated[0] as f64;
-    pc.polled(Some(true), Some((10_000.0, 8_000.0)), None);
+    polled(&pc, Some(true), Some((10_000.0, 8_000.0)), None);
     pc.sent(&e, 300);
-    pc.polled(Some(true), Some((10_300.0, 8_000.0 + est)), None);
+    polled(&pc, Some(true), Some((10_300.0, 8_000.0 + est)), None);
     assert_eq!(pc.trust().0.value, 0.5);
     // Restarted: its counters are small again, and it hit nothing.
     pc.sent(&e, 300);
-    pc.polled(Some(true), Some((300.0, 0.0)), None);
+    polled(&pc, Some(true), Some((300.0, 0.0)), None);
     assert_eq!(pc.trust().0.value, 0.0, "{:?}", pc.trust());
 }
 
@@ -246,7 +261,25 @@ fn the_record_is_sized_to_the_servers_cache() {
     }
     assert_eq!(pc.recorded_blocks(), 500);
     // vLLM says its cache holds 1,024 tokens: 64 blocks of 64 bytes.
-    pc.polled(Some(true), Some((0.0, 0.0)), Some(1024.0));
+    polled(&pc, Some(true), Some((0.0, 0.0)), Some(1024.0));
     assert_eq!(pc.recorded_blocks(), Record::blocks_for_tokens(1024));
     assert_eq!(Record::blocks_for_tokens(1024), 64);
+}
+
+#[test]
+fn a_prefix_is_estimated_in_the_servers_whole_blocks() {
+    let pc = PrefixCache::new(1000);
+    let e = pc.estimate("a", &agent_call(0), &[300]);
+    pc.sent(&e, 300);
+    let unblocked = pc.estimate("a", &agent_call(1), &[300]).estimated[0];
+    // vLLM's CPU build keeps 128 tokens a block.
+    pc.polled(&ServerReport {
+        block_size: Some(128.0),
+        ..Default::default()
+    });
+    let blocked = pc.estimate("a", &agent_call(1), &[300]).estimated[0];
+    assert_eq!(blocked, unblocked - unblocked % 128, "{unblocked}");
+    assert!(blocked > 0 && blocked < unblocked, "{blocked} {unblocked}");
+    // A prompt whose cached share is under one block: nothing.
+    assert_eq!(pc.estimate("a", &agent_call(2), &[150]).estimated, vec![0]);
 }

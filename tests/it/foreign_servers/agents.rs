@@ -1,0 +1,119 @@
+//! Agents' traffic for the tests beside foreign servers (seed 000,
+//! section 7): each client runs sessions, a session is a system prompt
+//! shared by every session of its version, then calls that each add a
+//! tool result and send the conversation so far, the previous answers in
+//! it. A server with a prefix cache computes only what is new in a call.
+
+use super::{one_request, Outcome, SENTENCES};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Calls a session makes.
+pub(super) const CALLS: usize = 3;
+/// Output tokens of each call.
+pub(super) const OUTPUT: u64 = 16;
+
+/// Sessions' numbers, never reused within a run (a tool result seen before
+/// could find its blocks in the server's cache).
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(0);
+
+/// The system prompt every session of `version` shares: about 285
+/// tokens with the chat template, past two of vLLM's CPU blocks of 128.
+pub(super) fn system_prompt(version: u64) -> String {
+    let body: Vec<&str> = SENTENCES.iter().cycle().take(20).copied().collect();
+    format!(
+        "You are the operations agent, prompt version {version}. {} Answer in one short sentence.",
+        body.join(" ")
+    )
+}
+
+/// Call `call`'s tool result in session `session`: its own numbers first,
+/// then a sentence (about 25 tokens with the template).
+fn tool_result(session: u64, call: usize) -> String {
+    format!(
+        "Tool result {session}.{call}: {} What next?",
+        SENTENCES[(session as usize + call) % SENTENCES.len()]
+    )
+}
+
+/// A call's body: the conversation so far, streamed.
+pub(super) fn call_body(messages: &[Value]) -> Value {
+    json!({"model": "smollm2", "messages": messages, "max_tokens": OUTPUT, "stream": true})
+}
+
+/// `clients` agents against `base`, each running `sessions` sessions of
+/// the system prompt version `version` holds when the session starts
+/// (so a test can change it halfway), until each is done or `cap` passes.
+/// A refused call waits its Retry-After (at most 2 s, in `one_request`)
+/// and is asked again, as an agent does. Every request's outcome, the
+/// refused ones too.
+pub(super) fn agents(
+    base: &str,
+    clients: usize,
+    sessions: usize,
+    cap: Duration,
+    version: Arc<AtomicU64>,
+) -> Vec<Outcome> {
+    let started = Instant::now();
+    let stop = started + cap;
+    let url = format!("{base}/v1/chat/completions");
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let (url, version) = (url.clone(), version.clone());
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::builder()
+                    .timeout(Duration::from_secs(120))
+                    .build()
+                    .unwrap();
+                let mut out: Vec<Outcome> = vec![];
+                'sessions: for _ in 0..sessions {
+                    let session = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+                    let v = version.load(Ordering::Relaxed);
+                    let mut messages = vec![json!({"role": "system", "content": system_prompt(v)})];
+                    for call in 0..CALLS {
+                        messages
+                            .push(json!({"role": "user", "content": tool_result(session, call)}));
+                        loop {
+                            if Instant::now() >= stop || out.len() >= 500 {
+                                break 'sessions;
+                            }
+                            let mut o = one_request(&client, &url, &call_body(&messages));
+                            o.end_s = started.elapsed().as_secs_f64();
+                            let (status, text) = (o.status, std::mem::take(&mut o.text));
+                            out.push(o);
+                            match status {
+                                200 => {
+                                    messages.push(json!({"role": "assistant", "content": text}));
+                                    break;
+                                }
+                                429 | 503 => continue,
+                                _ => continue 'sessions,
+                            }
+                        }
+                    }
+                }
+                out
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect()
+}
+
+/// The longest prompt a session sends, as `count` counts a chat's
+/// messages: the system prompt and every call's tool result and a full
+/// answer of `OUTPUT` tokens (`answer` stands in for one).
+pub(super) fn longest_prompt(count: &dyn Fn(&Value) -> u64, answer: &str) -> u64 {
+    let mut messages = vec![json!({"role": "system", "content": system_prompt(999)})];
+    for call in 0..CALLS {
+        messages.push(json!({"role": "user", "content": tool_result(999_999, call)}));
+        if call + 1 < CALLS {
+            messages.push(json!({"role": "assistant", "content": answer}));
+        }
+    }
+    count(&Value::Array(messages))
+}
