@@ -151,7 +151,7 @@ async fn overload_direct_preempts_governed_does_not() {
     // `envelope serve` keeps no prefix cache and reports none: the
     // governor sees prompts that share their first blocks and credits
     // none of them, whatever its own record says.
-    let shared = "the same long system text ".repeat(40);
+    let shared = "the same long system text ".repeat(10);
     let client = reqwest::Client::new();
     for i in 0..4 {
         let r = client
