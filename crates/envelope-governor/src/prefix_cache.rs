@@ -39,9 +39,6 @@ pub const BLOCK_BYTES: usize = 64;
 /// Prompt bytes per token of the server's KV cache, to size the record
 /// (English through a BPE tokenizer runs 3.5 to 4.5).
 const BYTES_PER_TOKEN: u64 = 4;
-/// The record's size before the server's KV capacity is known: about
-/// 260,000 tokens.
-const DEFAULT_RECORD_BLOCKS: usize = 1 << 14;
 /// A reading from answers is taken once they estimated this many cached
 /// tokens together: one short answer is not a reading.
 const READING_TOKENS: u64 = 256;
@@ -278,9 +275,6 @@ impl Estimate {
     pub fn estimated_total(&self) -> u64 {
         self.estimated.iter().sum()
     }
-    pub fn credited_total(&self) -> u64 {
-        self.credited.iter().sum()
-    }
 }
 
 /// The record and the trust of one governed upstream.
@@ -290,12 +284,6 @@ pub struct PrefixCache {
     /// no client can aim a collision.
     hasher: foldhash::quality::RandomState,
     state: Mutex<State>,
-}
-
-impl Default for PrefixCache {
-    fn default() -> Self {
-        PrefixCache::new(DEFAULT_RECORD_BLOCKS)
-    }
 }
 
 impl PrefixCache {

@@ -4,7 +4,7 @@
 //! tool result and send the conversation so far, the previous answers in
 //! it. A server with a prefix cache computes only what is new in a call.
 
-use super::{one_request, Outcome, SENTENCES};
+use super::{in_threads, one_request, Outcome, SENTENCES};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -59,49 +59,35 @@ pub(super) fn agents(
     let started = Instant::now();
     let stop = started + cap;
     let url = format!("{base}/v1/chat/completions");
-    let threads: Vec<_> = (0..clients)
-        .map(|_| {
-            let (url, version) = (url.clone(), version.clone());
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::builder()
-                    .timeout(Duration::from_secs(120))
-                    .build()
-                    .unwrap();
-                let mut out: Vec<Outcome> = vec![];
-                'sessions: for _ in 0..sessions {
-                    let session = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
-                    let v = version.load(Ordering::Relaxed);
-                    let mut messages = vec![json!({"role": "system", "content": system_prompt(v)})];
-                    for call in 0..CALLS {
-                        messages
-                            .push(json!({"role": "user", "content": tool_result(session, call)}));
-                        loop {
-                            if Instant::now() >= stop || out.len() >= 500 {
-                                break 'sessions;
-                            }
-                            let mut o = one_request(&client, &url, &call_body(&messages));
-                            o.end_s = started.elapsed().as_secs_f64();
-                            let (status, text) = (o.status, std::mem::take(&mut o.text));
-                            out.push(o);
-                            match status {
-                                200 => {
-                                    messages.push(json!({"role": "assistant", "content": text}));
-                                    break;
-                                }
-                                429 | 503 => continue,
-                                _ => continue 'sessions,
-                            }
+    in_threads(clients, move |client| {
+        let mut out: Vec<Outcome> = vec![];
+        'sessions: for _ in 0..sessions {
+            let session = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+            let v = version.load(Ordering::Relaxed);
+            let mut messages = vec![json!({"role": "system", "content": system_prompt(v)})];
+            for call in 0..CALLS {
+                messages.push(json!({"role": "user", "content": tool_result(session, call)}));
+                loop {
+                    if Instant::now() >= stop || out.len() >= 500 {
+                        break 'sessions;
+                    }
+                    let mut o = one_request(client, &url, &call_body(&messages));
+                    o.end_s = started.elapsed().as_secs_f64();
+                    let (status, text) = (o.status, std::mem::take(&mut o.text));
+                    out.push(o);
+                    match status {
+                        200 => {
+                            messages.push(json!({"role": "assistant", "content": text}));
+                            break;
                         }
+                        429 | 503 => continue,
+                        _ => continue 'sessions,
                     }
                 }
-                out
-            })
-        })
-        .collect();
-    threads
-        .into_iter()
-        .flat_map(|t| t.join().unwrap())
-        .collect()
+            }
+        }
+        out
+    })
 }
 
 /// The longest prompt a session sends, as `count` counts a chat's

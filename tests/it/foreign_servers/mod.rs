@@ -364,25 +364,38 @@ fn loop_until(base: &str, clients: usize, ask: Ask, cap: Duration, answers: usiz
     let started = Instant::now();
     let stop = started + cap;
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let base = base.to_string();
+    in_threads(clients, move |client| {
+        let mut out: Vec<Outcome> = vec![];
+        let mut answered = 0;
+        while Instant::now() < stop && out.len() < 500 && answered < answers {
+            let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (path, body) = ask(n);
+            let mut o = one_request(client, &format!("{base}{path}"), &body);
+            o.end_s = started.elapsed().as_secs_f64();
+            answered += usize::from(o.status == 200);
+            out.push(o);
+        }
+        out
+    })
+}
+
+/// `clients` threads, each running `client_loop` with its own HTTP client
+/// (120 s a request), and every outcome they return.
+pub(super) fn in_threads(
+    clients: usize,
+    client_loop: impl Fn(&reqwest::blocking::Client) -> Vec<Outcome> + Send + Sync + 'static,
+) -> Vec<Outcome> {
+    let client_loop = std::sync::Arc::new(client_loop);
     let threads: Vec<_> = (0..clients)
         .map(|_| {
-            let (base, ask, next) = (base.to_string(), ask.clone(), next.clone());
+            let client_loop = client_loop.clone();
             std::thread::spawn(move || {
                 let client = reqwest::blocking::Client::builder()
                     .timeout(Duration::from_secs(120))
                     .build()
                     .unwrap();
-                let mut out: Vec<Outcome> = vec![];
-                let mut answered = 0;
-                while Instant::now() < stop && out.len() < 500 && answered < answers {
-                    let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let (path, body) = ask(n);
-                    let mut o = one_request(&client, &format!("{base}{path}"), &body);
-                    o.end_s = started.elapsed().as_secs_f64();
-                    answered += usize::from(o.status == 200);
-                    out.push(o);
-                }
-                out
+                client_loop(&client)
             })
         })
         .collect();

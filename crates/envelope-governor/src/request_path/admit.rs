@@ -131,13 +131,9 @@ pub(crate) async fn place(
     let m = &s.gov.metrics;
     m.prefix_estimated_tokens.inc_by(prefix.estimated_total());
     m.prefix_credited_tokens.inc_by(plan.cached_tokens);
-    s.gov
-        .metrics
-        .output_decisions
+    m.output_decisions
         .inc(plan.decision as usize, plan.decision.label());
-    s.gov
-        .metrics
-        .admitted
+    m.admitted
         .inc(parsed.endpoint as usize, parsed.endpoint.label());
     Ok(Some(Placed {
         permit,
