@@ -138,11 +138,38 @@ fn plan_derives_its_workload_from_a_trace() {
     let w = envelope_profile::workload::Workload::from_toml(toml_part, "derived").unwrap();
     let agent = w.classes.iter().find(|c| c.name == "agent").unwrap();
     assert!(agent.session && agent.model_calls_per_run == 3.0);
-    assert!(text.contains("binding: concurrency_slots"), "{text}");
+    assert!(text.contains("binding: "), "{text}");
     let r = run(&["--json"]);
     assert!(r.status.success());
     let v: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
     assert_eq!(v["workload"], "sample-envelope");
+    // The agent's sessions: the derived class describes their first calls,
+    // and the plan's context growth brings the mean call back to the
+    // trace's own mean over every call.
+    let calls: Vec<f64> = std::fs::read_to_string(trace)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["feature"] == "agent")
+        .map(|r| r["input_tokens"].as_f64().unwrap())
+        .collect();
+    let trace_mean = calls.iter().sum::<f64>() / calls.len() as f64;
+    assert!(
+        agent.input_tokens_mean.unwrap() < 0.9 * trace_mean,
+        "{agent:?}"
+    );
+    let planned = v["demand"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["class"] == "agent")
+        .unwrap()["input_tokens_per_request_mean"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (planned - trace_mean).abs() <= 0.05 * trace_mean,
+        "planned mean input {planned}, the trace's {trace_mean}"
+    );
     assert!(String::from_utf8_lossy(&r.stderr).contains("[[class]]"));
     // --workload and --workload-from exclude each other; one is required.
     let both = Command::new(env!("CARGO_BIN_EXE_envelope"))

@@ -269,6 +269,12 @@ impl HttpDriver {
             if let Some(n) = v.pointer("/usage/prompt_tokens").and_then(|n| n.as_u64()) {
                 rec.input_tokens = n as u32;
             }
+            if let Some(n) = v
+                .pointer("/usage/prompt_tokens_details/cached_tokens")
+                .and_then(|n| n.as_u64())
+            {
+                rec.cached_tokens = Some(n as u32);
+            }
             let has_text = v
                 .pointer("/choices/0/text")
                 .and_then(|t| t.as_str())

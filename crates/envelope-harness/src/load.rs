@@ -239,6 +239,33 @@ impl InFlight {
     }
 }
 
+/// A warm bucket's shared prefix: the same tokens for every probe of the
+/// bucket (so that a prefix cache holds them from one probe to the next),
+/// different from other buckets' and from any probe's own tokens.
+pub fn shared_prefix(bucket: Bucket, vocab: usize) -> Vec<u32> {
+    const PREFIX_SALT: u64 = 0x5eed_0000;
+    let salt =
+        PREFIX_SALT + u64::from(bucket.input_tokens) * 100 + u64::from(bucket.cached_percent);
+    synthetic_prompt(bucket.prefix_tokens() as usize, vocab, salt)
+}
+
+/// Before a warm bucket's probe: one request of the shared prefix alone
+/// (one token out), so that a server with a prefix cache holds it when the
+/// probe starts; sent before the monitor reads the server's counters, and
+/// not recorded. Nothing for a cold bucket.
+fn prime(driver: &dyn Driver, bucket: Bucket) {
+    if bucket.cached_percent == 0 {
+        return;
+    }
+    let req = LoadRequest {
+        prompt_tokens: shared_prefix(bucket, driver.vocab_size()),
+        prompt_text: None,
+        output_tokens: 1,
+    };
+    let mut rec = RequestRecord::default();
+    driver.send(&req, Instant::now(), &mut rec);
+}
+
 fn request(
     driver: &dyn Driver,
     prompts: &Prompts,
@@ -247,7 +274,17 @@ fn request(
     salt: u64,
 ) -> LoadRequest {
     let input = bucket.input_tokens as usize;
-    let synthetic = || synthetic_prompt(input, driver.vocab_size(), salt.wrapping_add(n));
+    // A warm bucket: the shared prefix, then the request's own tokens.
+    let synthetic = || {
+        let own = input - bucket.prefix_tokens() as usize;
+        let mut tokens = shared_prefix(bucket, driver.vocab_size());
+        tokens.extend(synthetic_prompt(
+            own,
+            driver.vocab_size(),
+            salt.wrapping_add(n),
+        ));
+        tokens
+    };
     let (prompt_tokens, prompt_text) = match prompts {
         Prompts::Synthetic => (synthetic(), None),
         Prompts::Dataset(texts) => {
@@ -378,6 +415,7 @@ pub fn closed_loop(
     let gap = Arc::new(Mutex::new(0f64));
     let in_flight = Arc::new(InFlight::default());
     let barrier = Arc::new(std::sync::Barrier::new(concurrency as usize + 1));
+    prime(&**driver, bucket);
     let cpu_before = client_cpu(&**driver);
     let start = Instant::now();
     let monitor = Monitor::start(driver, &in_flight, start);
@@ -469,6 +507,7 @@ pub fn open_loop(
     let in_flight = Arc::new(InFlight::default());
     let mean_gap_s = 1.0 / rate_per_s.max(1e-9);
     let late_after_s = (0.2 * mean_gap_s).max(late_after_s);
+    prime(&**driver, bucket);
     let cpu_before = client_cpu(&**driver);
     let start = Instant::now();
     let monitor = Monitor::start(driver, &in_flight, start);
@@ -630,12 +669,55 @@ mod tests {
     }
 
     #[test]
+    fn a_warm_bucket_primes_its_prefix_and_every_prompt_shares_it() {
+        let bucket = Bucket::parse("40x2@75%").unwrap();
+        assert_eq!(bucket.prefix_tokens(), 30);
+        let r = Arc::new(Recorder {
+            tokenizes: false,
+            seen: Mutex::new(vec![]),
+        });
+        let d: Arc<dyn Driver> = r.clone();
+        let run = closed_loop(&d, &Prompts::Synthetic, bucket, 2, 6, 7, None);
+        assert_eq!(run.records.len(), 6, "the priming request is not recorded");
+        let seen = r.seen.lock().unwrap();
+        // First the prefix alone, one token out; then the probe's six.
+        assert_eq!(seen.len(), 7);
+        let prefix = shared_prefix(bucket, 1000);
+        assert_eq!(seen[0].prompt_tokens, prefix);
+        assert_eq!(seen[0].output_tokens, 1);
+        let probe = &seen[1..];
+        assert!(probe.iter().all(|q| q.prompt_tokens.len() == 40));
+        assert!(probe.iter().all(|q| q.prompt_tokens[..30] == prefix[..]));
+        // Each keeps its own tail: no two prompts are the same.
+        let tails: std::collections::HashSet<_> = probe
+            .iter()
+            .map(|q| q.prompt_tokens[30..].to_vec())
+            .collect();
+        assert_eq!(tails.len(), 6);
+        drop(seen);
+        // A probe with another salt shares the same prefix (it stays
+        // cached from one probe to the next); another bucket does not.
+        let again = closed_loop(&d, &Prompts::Synthetic, bucket, 1, 1, 99, None);
+        assert_eq!(again.records.len(), 1);
+        assert_eq!(
+            r.seen.lock().unwrap().last().unwrap().prompt_tokens[..30],
+            prefix[..]
+        );
+        let other = shared_prefix(Bucket::parse("40x2@50%").unwrap(), 1000);
+        assert_ne!(other[..20], prefix[..20]);
+        // A cold bucket sends no priming request, and its prompts share nothing.
+        r.seen.lock().unwrap().clear();
+        closed_loop(&d, &Prompts::Synthetic, Bucket::cold(40, 2), 2, 4, 7, None);
+        let seen = r.seen.lock().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert!(seen.iter().all(|q| q.output_tokens == 2));
+        assert_ne!(seen[0].prompt_tokens[..8], seen[1].prompt_tokens[..8]);
+    }
+
+    #[test]
     fn dataset_prompts_reach_the_driver_as_tokens_or_as_text() {
         let data = Prompts::Dataset(Arc::new(vec!["ab".into(), "xyz".into()]));
-        let bucket = Bucket {
-            input_tokens: 5,
-            output_tokens: 2,
-        };
+        let bucket = Bucket::cold(5, 2);
         for tokenizes in [true, false] {
             let r = Arc::new(Recorder {
                 tokenizes,
@@ -701,10 +783,7 @@ mod tests {
 
     #[test]
     fn ramped_workers_start_in_turn_and_their_first_requests_are_warm_up() {
-        let bucket = Bucket {
-            input_tokens: 5,
-            output_tokens: 2,
-        };
+        let bucket = Bucket::cold(5, 2);
         let d: Arc<dyn Driver> = Arc::new(Slow(200));
         let workers = Workers {
             count: 4,
@@ -749,10 +828,7 @@ mod tests {
 
     #[test]
     fn a_probe_stops_sending_once_told_and_an_extension_follows_on() {
-        let bucket = Bucket {
-            input_tokens: 5,
-            output_tokens: 2,
-        };
+        let bucket = Bucket::cold(5, 2);
         let r = Arc::new(Recorder {
             tokenizes: false,
             seen: Mutex::new(vec![]),

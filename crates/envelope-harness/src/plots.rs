@@ -117,14 +117,25 @@ fn panel<DB: DrawingBackend>(
             .map_err(err)?;
     }
     for (i, b) in c.buckets.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
+        // A warm bucket: dashed, in the colour of the cold bucket of its
+        // shape where the sweep has one, so the two read side by side.
+        let shape = c.buckets.iter().position(|x| {
+            x.is_cold() && (x.input_tokens, x.output_tokens) == (b.input_tokens, b.output_tokens)
+        });
+        let color = COLORS[shape.unwrap_or(i) % COLORS.len()];
         let pts = sorted(b);
-        let label = format!("{}x{}", b.input_tokens, b.output_tokens);
-        chart
-            .draw_series(LineSeries::new(
-                pts.iter().map(|p| (x_of(p), metric(p))),
-                color.stroke_width(2),
-            ))
+        let line = pts.iter().map(|p| (x_of(p), metric(p)));
+        let label = match &b.cached_prefix {
+            None => b.label(),
+            Some(p) if p.held => format!("{} warm", b.label()),
+            Some(_) => format!("{} (cache did not hold: cold)", b.label()),
+        };
+        let drawn = if b.is_cold() {
+            chart.draw_series(LineSeries::new(line, color.stroke_width(2)))
+        } else {
+            chart.draw_series(DashedLineSeries::new(line, 6, 4, color.stroke_width(2)))
+        };
+        drawn
             .map_err(err)?
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
@@ -551,6 +562,7 @@ mod tests {
             safe_rate_per_s: None,
             feasible_upper: None,
             safe_upper: None,
+            cached_prefix: None,
             repeats: vec![],
             probes: vec![
                 probe(1, 100.0, true),

@@ -14,6 +14,9 @@ pub struct RequestRecord {
     pub e2e_s: f64,
     pub itl_s: Vec<f64>,
     pub input_tokens: u32,
+    /// Prompt tokens the server found in its prefix cache, where its answer
+    /// says (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u32>,
     pub output_tokens: u32,
     pub preemptions: u32,
     /// The finish reason the server (or engine) sent, when it sent one.

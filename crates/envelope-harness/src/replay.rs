@@ -68,6 +68,10 @@ pub struct Validation {
     pub checks: Vec<ConstraintCheck>,
     /// SLOs the replayed share broke.
     pub slo_breaches: Vec<String>,
+    /// The share of prompt tokens the server found in its prefix cache
+    /// over the replay (its counters, or its answers' `cached_tokens`);
+    /// `None` where it told neither.
+    pub prefix_cache_hit_rate: Option<f64>,
     pub optimistic: bool,
 }
 
@@ -109,6 +113,21 @@ impl Validation {
             o,
             "SLOs at the planned share: {slos} (TTFT p95 {:.0} ms, e2e p99 {:.0} ms)",
             s.ttft_ms.p95, s.e2e_ms.p99
+        );
+        let planned = |g: &dyn Fn(&envelope_profile::plan::ClassDemand) -> f64| {
+            plan.demand
+                .iter()
+                .map(|d| format!("{} {:.2}", d.class, g(d)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            o,
+            "prefix-cache hit rate seen: {} (planned: {}; floor: {}); prefill is measured on the tokens the server computed",
+            self.prefix_cache_hit_rate
+                .map_or("not reported by the server".into(), |h| format!("{h:.2}")),
+            planned(&|d| d.cache_hit_rate),
+            planned(&|d| d.cache_hit_rate_floor)
         );
         let _ = writeln!(
             o,
@@ -220,6 +239,8 @@ pub fn validate(
         }
     };
     let summary = summarise(&run, run.max_in_flight, slo, &LoadConfig::default());
+    let prefix_cache_hit_rate = summary.prefix_cache_hit_rate;
+    let hits = prefix_cache_hit_rate.unwrap_or(0.0);
     let window = s.seconds;
     let served = run.records.iter().filter(|r| r.error.is_none()).count();
     let sampling = 2.0 / (served.max(1) as f64).sqrt();
@@ -241,8 +262,16 @@ pub fn validate(
                 PlanConstraint::OutputTokPerS => {
                     recs.iter().map(|r| r.output_tokens as f64).sum::<f64>() / window
                 }
+                // The tokens the server computed: less what it found
+                // cached, by its answers' word or its counters' rate.
                 PlanConstraint::PrefillTokPerS => {
-                    recs.iter().map(|r| r.input_tokens as f64).sum::<f64>() / window
+                    recs.iter()
+                        .map(|r| match r.cached_tokens {
+                            Some(c) => f64::from(r.input_tokens.saturating_sub(c)),
+                            None => f64::from(r.input_tokens) * (1.0 - hits),
+                        })
+                        .sum::<f64>()
+                        / window
                 }
                 PlanConstraint::KvTokens => {
                     recs.iter()
@@ -288,6 +317,7 @@ pub fn validate(
         summary,
         checks,
         slo_breaches,
+        prefix_cache_hit_rate,
         optimistic,
     })
 }

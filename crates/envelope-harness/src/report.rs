@@ -41,7 +41,7 @@ fn rows(c: &ConfigResult) -> Vec<[String; 10]> {
             let a = b.at_feasible.as_ref();
             [
                 cell(&c.name),
-                format!("{}x{}", b.input_tokens, b.output_tokens),
+                b.label(),
                 b.feasible_concurrency.to_string(),
                 match b.safe_rate_per_s {
                     Some(r) => format!("{} ({r:.2} req/s)", b.safe_concurrency),
@@ -211,6 +211,7 @@ pub fn markdown(p: &Profile) -> String {
             s += &format!("| {} |\n", r.join(" | "));
         }
     }
+    s += &warm_section(p);
     s += "\n## Memory\n\n| config | weights MiB | analytic MiB | resident after load MiB | KV bytes/token | KV capacity tokens | peak MiB | source |\n|---|---|---|---|---|---|---|---|\n";
     let mib = |b: u64| format!("{:.1}", b as f64 / 1048576.0);
     // 0 in these fields is "not known" (a server's weights cannot be told
@@ -242,9 +243,62 @@ pub fn markdown(p: &Profile) -> String {
     s
 }
 
+/// Warm buckets (`INPUTxOUTPUT@P%`) beside the cold bucket of their shape:
+/// the capacity a prefix cache gives, and whether the server gave it.
+fn warm_section(p: &Profile) -> String {
+    let mut s = String::new();
+    for c in &p.configs {
+        for w in &c.buckets {
+            let Some(prefix) = &w.cached_prefix else {
+                continue;
+            };
+            if s.is_empty() {
+                s += "\n## Warm and cold capacity\n\nA warm bucket's probes share the first part of every prompt (sent once before each probe); the server's hit rate says whether its prefix cache held it. The governor enforces the cold buckets, and credits cached prefixes only as the server confirms them (docs/govern.md).\n\n| config | shape | cold safe | warm bucket | warm safe | warm / cold | prefix intended | server's hit rate | measured as |\n|---|---|---|---|---|---|---|---|---|\n";
+            }
+            let cold = c.buckets.iter().find(|b| {
+                b.is_cold()
+                    && (b.input_tokens, b.output_tokens) == (w.input_tokens, w.output_tokens)
+            });
+            let verdict = match (prefix.held, prefix.observed_hit_rate) {
+                (true, _) => "warm".to_string(),
+                (false, Some(h)) => format!(
+                    "cold: the server found {:.0}% of prompt tokens, under {:.0}% of the intended share",
+                    h * 100.0,
+                    envelope_profile::CachedPrefix::HELD_FRACTION * 100.0
+                ),
+                (false, None) => {
+                    "cold: the server reports no prefix-cache hits (no counters, no cached_tokens)"
+                        .to_string()
+                }
+            };
+            s += &format!(
+                "| {} | {}x{} | {} | {} | {} | {} | {:.0}% | {} | {} |\n",
+                cell(&c.name),
+                w.input_tokens,
+                w.output_tokens,
+                cold.map_or("-".into(), |b| b.safe_concurrency.to_string()),
+                w.label(),
+                w.safe_concurrency,
+                cold.filter(|b| b.safe_concurrency > 0)
+                    .map_or("-".into(), |b| format!(
+                        "{:.2}",
+                        f64::from(w.safe_concurrency) / f64::from(b.safe_concurrency)
+                    )),
+                prefix.intended_share * 100.0,
+                prefix
+                    .observed_hit_rate
+                    .map_or("-".into(), |h| format!("{:.0}%", h * 100.0)),
+                verdict
+            );
+        }
+    }
+    s
+}
+
 /// Agent-shaped load (`load.workload`) and replayed traces
 /// (`[load.trace]`): the safe scale per configuration and every probe's
-/// per-class (and per-tenant) latencies.
+/// prefix-cache hit rate (the server's, where it tells) and per-class
+/// (and per-tenant) latencies.
 fn workload_section(p: &Profile) -> String {
     use crate::plots::Scaled;
     let mut s = String::new();
@@ -265,7 +319,7 @@ fn workload_section(p: &Profile) -> String {
             format!(" [{:.2}-{u:.2}]", w.feasible_scale)
         });
         s += &format!(
-            "\n## {title}\n\nSafe scale **{:.2}** {} (feasible {:.2}{upper}, binding `{}`). {}\n\n![saturation]({})\n\n| scale | requests | errors | goodput req/s | class or tenant | runs | calls | mean input | TTFT p95 ms | e2e p95 ms | run e2e p95 ms |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+            "\n## {title}\n\nSafe scale **{:.2}** {} (feasible {:.2}{upper}, binding `{}`). {}\n\n![saturation]({})\n\n| scale | requests | errors | goodput req/s | prefix-cache hits | class or tenant | runs | calls | mean input | TTFT p95 ms | e2e p95 ms | run e2e p95 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             w.safe_scale,
             which.unit(),
             w.feasible_scale,
@@ -289,11 +343,16 @@ fn workload_section(p: &Profile) -> String {
                         " (breach)"
                     };
                     format!(
-                        "{:.2}{mark} | {} | {} | {:.2}",
-                        probe.scale, sm.requests, sm.errors, sm.goodput_req_per_s
+                        "{:.2}{mark} | {} | {} | {:.2} | {}",
+                        probe.scale,
+                        sm.requests,
+                        sm.errors,
+                        sm.goodput_req_per_s,
+                        sm.prefix_cache_hit_rate
+                            .map_or("-".into(), |h| format!("{:.0}%", h * 100.0))
                     )
                 } else {
-                    " | | |".into()
+                    " | | | |".into()
                 };
                 s += &format!(
                     "| {head} | {class} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} |\n",

@@ -129,7 +129,7 @@ fn run_point(
     let open_loop_mode = cfg.load.is_open_loop();
     let (lo, hi) = level_range(cfg);
     'buckets: for bucket in &cfg.buckets {
-        let bname = format!("{}x{}", bucket.input_tokens, bucket.output_tokens);
+        let bname = bucket.label();
         let mut search = LevelSearch::new(lo, hi.max(lo));
         // Per level searched: its summary (in the order first probed), and
         // its probe id and requests, which a decision extends.

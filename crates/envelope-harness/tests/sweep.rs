@@ -166,10 +166,7 @@ fn small_kv_budget_binds_at_the_predicted_concurrency() {
     let run = closed_loop(
         &driver,
         &Prompts::Synthetic,
-        Bucket {
-            input_tokens: 16,
-            output_tokens: 32,
-        },
+        Bucket::cold(16, 32),
         safe,
         safe * 6,
         77,
@@ -347,4 +344,61 @@ max_windows = 2
         .unwrap_err()
         .to_string();
     assert!(e.contains("quality.text"), "{e}");
+}
+
+/// A warm bucket beside a server with no prefix cache (the embedded
+/// engine reports no hits): measured all the same, said to be cold in the
+/// profile, the summary and the report, and never made part of the
+/// envelope the governor enforces.
+#[test]
+fn a_warm_bucket_on_a_server_without_a_prefix_cache_is_said_to_be_cold() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let text = r#"
+[target]
+kind = "engine"
+model = "dummy:tiny"
+kv_cache_bytes = "4MiB"
+[matrix]
+precisions = ["f32"]
+batch_policies = ["continuous"]
+buckets = ["32x8", "32x8@50%"]
+concurrency_max = 2
+[load]
+max_client_gap_ms = 1000
+[slo]
+itl_p95_ms = 2000
+"#;
+    let cfg = BenchConfig::parse(text, Path::new("warm.toml")).unwrap();
+    let out = run_sweep(&cfg, serde_json::json!({}), &logs(), &mut |_| {});
+    let p = &out.profile;
+    let buckets = &p.configs[0].buckets;
+    assert_eq!(buckets.len(), 2);
+    let warm = &buckets[1];
+    assert_eq!(warm.label(), "32x8@50%");
+    assert!(warm.probes.iter().all(|s| s.requests > 0));
+    let prefix = warm.cached_prefix.as_ref().unwrap();
+    assert_eq!(prefix.intended_share, 0.5);
+    assert_eq!(prefix.observed_hit_rate, None);
+    assert!(!prefix.held);
+    // The envelope: the cold bucket alone.
+    let limits = p.limits.as_ref().unwrap();
+    let rows: Vec<String> = limits.buckets.iter().map(|b| b.label()).collect();
+    assert_eq!(rows, vec!["32x8"]);
+    // Round trip: the profile keeps it, and reads back.
+    let back = Profile::from_json(&serde_json::to_string(p).unwrap(), "p.json").unwrap();
+    assert_eq!(
+        back.configs[0].buckets[1].cached_prefix.as_ref(),
+        Some(prefix)
+    );
+    let dir = std::env::temp_dir().join(format!("envelope-sweep-warm-{}", std::process::id()));
+    out.write(&dir).unwrap();
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(md.contains("## Warm and cold capacity"), "{md}");
+    assert!(
+        md.contains("cold: the server reports no prefix-cache hits"),
+        "{md}"
+    );
+    let csv = std::fs::read_to_string(dir.join("probes.csv")).unwrap();
+    assert!(csv.contains("32x8@50%"), "{csv}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -63,6 +63,15 @@ pub struct ClassDemand {
     pub output_tokens_per_request_p50: f64,
     pub output_tokens_per_request_p95: f64,
     pub output_tokens_per_request_mean: f64,
+    /// Sessions (`session = true`): tokens a call's prompt grows by per
+    /// call before it (mean output + `tool_result_tokens`), added to the
+    /// first call's figures above (the mean call's growth to the mean, the
+    /// last call's to the p95); 0 otherwise.
+    pub context_growth_tokens_per_call: f64,
+    /// The planned share of prompt tokens found cached, and the floor the
+    /// plan sizes prefill on.
+    pub cache_hit_rate: f64,
+    pub cache_hit_rate_floor: f64,
     /// model requests/min x mean input tokens.
     pub input_tokens_per_min: f64,
     pub output_tokens_per_min: f64,
@@ -149,6 +158,10 @@ pub struct ClassLoad {
     pub class: String,
     pub model_requests_per_s: f64,
     pub input_tokens_per_s: f64,
+    /// Input tokens the server must compute: at the class's hit-rate
+    /// floor (what prefill is sized on), and at its planned hit rate.
+    pub uncached_input_tokens_per_s: f64,
+    pub uncached_input_tokens_per_s_planned: f64,
     pub output_tokens_per_s: f64,
     pub slots: f64,
     /// How `slots` was computed.
@@ -167,6 +180,11 @@ pub struct ConstraintNeed {
     pub replicas_needed: u64,
     /// replicas_exact / the scenario's replica count.
     pub utilisation: f64,
+    /// `prefill_tok_per_s` where a class plans cache hits above its floor:
+    /// the replicas prefill needs at the planned hit rate (the sizing
+    /// above is at the floor).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas_exact_at_planned_hit_rate: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -283,16 +301,20 @@ fn supply_for(
     class: &TaskClass,
     warnings: &mut Vec<String>,
 ) -> Result<ClassSupply, PlanError> {
-    let (b, covers) = choose_bucket(
-        &cfg.buckets,
-        class.input_tokens_p95,
-        class.output_tokens_p95,
-    )
-    .ok_or_else(|| PlanError::NoBuckets(cfg.name.clone()))?;
+    // The cold buckets: warm ones measure a cache the plan does not assume.
+    let cold: Vec<BucketResult> = cfg
+        .buckets
+        .iter()
+        .filter(|b| b.is_cold())
+        .cloned()
+        .collect();
+    let input_p95 = CallInput::of(class).p95;
+    let (b, covers) = choose_bucket(&cold, input_p95, class.output_tokens_p95)
+        .ok_or_else(|| PlanError::NoBuckets(cfg.name.clone()))?;
     if !covers {
         warnings.push(format!(
             "class `{}`: no bucket of `{}` covers p95 {} input / {} output tokens; using the largest ({}x{}), so its supply is optimistic",
-            class.name, cfg.name, class.input_tokens_p95, class.output_tokens_p95, b.input_tokens, b.output_tokens
+            class.name, cfg.name, input_p95, class.output_tokens_p95, b.input_tokens, b.output_tokens
         ));
     }
     let no_safe = || PlanError::NoSafePoint(cfg.name.clone(), b.input_tokens, b.output_tokens);
@@ -326,6 +348,35 @@ fn supply_for(
     })
 }
 
+/// A class's input tokens per call with its context growth: a session's
+/// call k (from 0) resends the k calls before it, each grown by its output
+/// and a tool result, so the mean call carries (calls - 1) / 2 growths and
+/// the p95 (the last call) calls - 1. Without sessions, the class's figures.
+struct CallInput {
+    mean: f64,
+    p50: f64,
+    p95: f64,
+    /// Tokens a call grows by: mean output + `tool_result_tokens`.
+    growth: f64,
+}
+
+impl CallInput {
+    fn of(c: &TaskClass) -> CallInput {
+        let growth = if c.session {
+            c.output_tokens_mean.unwrap_or(c.output_tokens_p50) + f64::from(c.tool_result_tokens)
+        } else {
+            0.0
+        };
+        let before_last = (c.model_calls_per_run - 1.0).max(0.0);
+        CallInput {
+            mean: c.input_tokens_mean.unwrap_or(c.input_tokens_p50) + growth * before_last / 2.0,
+            p50: c.input_tokens_p50 + growth * before_last / 2.0,
+            p95: c.input_tokens_p95 + growth * before_last,
+            growth,
+        }
+    }
+}
+
 /// The demand side of one class; `supply` gives default times in system.
 pub fn class_demand(
     c: &TaskClass,
@@ -346,8 +397,13 @@ pub fn class_demand(
         c.retry_amplification,
         c.fallback_amplification,
     );
-    let in_mean = c.input_tokens_mean.unwrap_or(c.input_tokens_p50);
     let out_mean = c.output_tokens_mean.unwrap_or(c.output_tokens_p50);
+    let CallInput {
+        mean: in_mean,
+        p50: in_p50,
+        p95: in_p95,
+        growth,
+    } = CallInput::of(c);
     let (arr_mean, arr_p95) = match c.concurrency_basis {
         ConcurrencyBasis::ModelRequest => (req / 60.0, req_p95 / 60.0),
         ConcurrencyBasis::Run => (c.runs_per_min / 60.0, runs_p95 / 60.0),
@@ -376,9 +432,12 @@ pub fn class_demand(
         amplification,
         model_requests_per_min: req,
         model_requests_per_min_p95: req_p95,
-        input_tokens_per_request_p50: c.input_tokens_p50,
-        input_tokens_per_request_p95: c.input_tokens_p95,
+        input_tokens_per_request_p50: in_p50,
+        input_tokens_per_request_p95: in_p95,
         input_tokens_per_request_mean: in_mean,
+        context_growth_tokens_per_call: growth,
+        cache_hit_rate: c.cache_hit_rate.unwrap_or(0.0),
+        cache_hit_rate_floor: c.cache_hit_rate_floor.unwrap_or(0.0),
         output_tokens_per_request_p50: c.output_tokens_p50,
         output_tokens_per_request_p95: c.output_tokens_p95,
         output_tokens_per_request_mean: out_mean,
@@ -399,16 +458,20 @@ pub fn class_demand(
         peak_scenario_slots: peak,
         reserve_factor: reserves.factor(),
         provisioned_slots: provisioned_slots(peak, reserves),
-        kv_tokens_per_request_p95: c.input_tokens_p95 + c.output_tokens_p95,
+        kv_tokens_per_request_p95: in_p95 + c.output_tokens_p95,
     }
 }
 
 /// One class's load in each scenario (base, planned_peak, failover, recovery).
 fn class_loads(d: &ClassDemand, f: &ScenarioFactors) -> [ClassLoad; 4] {
+    let input =
+        |req_per_min: f64| tokens_per_min(req_per_min, d.input_tokens_per_request_mean) / 60.0;
     let load = |req_per_min: f64, slots: f64, basis: String| ClassLoad {
         class: d.class.clone(),
         model_requests_per_s: req_per_min / 60.0,
-        input_tokens_per_s: tokens_per_min(req_per_min, d.input_tokens_per_request_mean) / 60.0,
+        input_tokens_per_s: input(req_per_min),
+        uncached_input_tokens_per_s: input(req_per_min) * (1.0 - d.cache_hit_rate_floor),
+        uncached_input_tokens_per_s_planned: input(req_per_min) * (1.0 - d.cache_hit_rate),
         output_tokens_per_s: tokens_per_min(req_per_min, d.output_tokens_per_request_mean) / 60.0,
         slots,
         slots_basis: basis,
@@ -452,7 +515,7 @@ fn demand_of(l: &ClassLoad, c: PlanConstraint) -> f64 {
     match c {
         PlanConstraint::ConcurrencySlots => l.slots,
         PlanConstraint::OutputTokPerS => l.output_tokens_per_s,
-        PlanConstraint::PrefillTokPerS => l.input_tokens_per_s,
+        PlanConstraint::PrefillTokPerS => l.uncached_input_tokens_per_s,
         PlanConstraint::KvTokens => l.kv_tokens,
     }
 }
@@ -487,15 +550,26 @@ pub fn scenario_plan(
     let mut needs: Vec<ConstraintNeed> = PlanConstraint::ALL
         .iter()
         .map(|&c| {
-            let (mut demand, mut exact) = (0.0, 0.0);
+            let (mut demand, mut exact, mut planned) = (0.0, 0.0, 0.0);
             for (l, s) in loads.iter().zip(supplies) {
                 let d = demand_of(l, c);
                 demand += d;
                 let per = supply_of(s, c);
-                if d > 0.0 {
-                    exact += if per > 0.0 { d / per } else { f64::INFINITY };
-                }
+                let share = |d: f64| match d {
+                    d if d <= 0.0 => 0.0,
+                    d if per > 0.0 => d / per,
+                    _ => f64::INFINITY,
+                };
+                exact += share(d);
+                planned += share(l.uncached_input_tokens_per_s_planned);
             }
+            // Prefill at the planned hit rate, where some class plans hits
+            // above its floor.
+            let at_planned = (c == PlanConstraint::PrefillTokPerS
+                && loads.iter().any(|l| {
+                    l.uncached_input_tokens_per_s_planned < l.uncached_input_tokens_per_s
+                }))
+            .then_some(planned);
             ConstraintNeed {
                 constraint: c,
                 demand,
@@ -507,6 +581,7 @@ pub fn scenario_plan(
                     u64::MAX
                 },
                 utilisation: 0.0,
+                replicas_exact_at_planned_hit_rate: at_planned,
             }
         })
         .collect();

@@ -105,8 +105,10 @@ pub struct ProbeSummary {
     pub preemptions: Option<u64>,
     /// Prompt tokens found in the server's prefix cache over those looked
     /// up during the probe, from its counters before and after (vLLM's
-    /// `prefix_cache_hits_total` / `prefix_cache_queries_total`); `None`
-    /// where the server exports none or looked nothing up.
+    /// `prefix_cache_hits_total` / `prefix_cache_queries_total`, or the
+    /// answers' `usage.prompt_tokens_details.cached_tokens` where the
+    /// server has no counters); `None` where the server tells neither or
+    /// looked nothing up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_cache_hit_rate: Option<f64>,
     pub peak_memory_bytes: Option<u64>,
@@ -186,11 +188,76 @@ pub struct BucketResult {
     /// `feasible_upper` less the headroom: the safe point's upper end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub safe_upper: Option<f64>,
+    /// A warm bucket: its shared prefix and whether the server cached it.
+    /// Absent: a cold bucket (every prompt distinct).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_prefix: Option<CachedPrefix>,
     pub probes: Vec<ProbeSummary>,
     /// With `--repeats`: each repeat's search of this bucket, in run order
     /// (the gate compares these, not the single figures above).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub repeats: Vec<BucketRepeat>,
+}
+
+/// A warm bucket's prefix (`INPUTxOUTPUT@P%` in the sweep's buckets): the
+/// share of every prompt its probes shared, and what the server made of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CachedPrefix {
+    /// The share of each prompt that was the shared prefix (0..1).
+    pub intended_share: f64,
+    /// Prompt tokens the server found in its prefix cache over those it
+    /// looked up, over the bucket's probes (weighted by their requests);
+    /// `None` where the server told neither by counters nor in its answers.
+    pub observed_hit_rate: Option<f64>,
+    /// The server's hits reached at least [`CachedPrefix::HELD_FRACTION`]
+    /// of the intended share: the bucket was measured warm. False: it was
+    /// measured all the same, and is said to be cold (a server without a
+    /// prefix cache, or one that does not say), never counted as warm.
+    pub held: bool,
+}
+
+impl CachedPrefix {
+    /// The share of the intended hits a server must reach for the bucket to
+    /// count as warm: a server caches whole blocks (vLLM's CPU build 128
+    /// tokens), so a 75% prefix of 256 tokens is found as 50%.
+    pub const HELD_FRACTION: f64 = 0.5;
+
+    /// The check of a bucket meant to be `intended_share` cached, whose
+    /// server reported `observed` (`None`: nothing).
+    pub fn judged(intended_share: f64, observed: Option<f64>) -> CachedPrefix {
+        CachedPrefix {
+            intended_share,
+            observed_hit_rate: observed,
+            held: observed.is_some_and(|o| o >= Self::HELD_FRACTION * intended_share),
+        }
+    }
+
+    /// The share as a whole percent, as the bucket was written.
+    pub fn percent(&self) -> u8 {
+        (self.intended_share * 100.0).round().clamp(0.0, 100.0) as u8
+    }
+}
+
+impl BucketResult {
+    /// `1024x32`, or `1024x32@85%` for a warm bucket.
+    pub fn label(&self) -> String {
+        match &self.cached_prefix {
+            None => format!("{}x{}", self.input_tokens, self.output_tokens),
+            Some(c) => format!(
+                "{}x{}@{}%",
+                self.input_tokens,
+                self.output_tokens,
+                c.percent()
+            ),
+        }
+    }
+
+    /// A cold bucket: every prompt distinct. Only these make the limits
+    /// the governor enforces and the figures the gate compares.
+    pub fn is_cold(&self) -> bool {
+        self.cached_prefix.is_none()
+    }
 }
 
 /// One repeat of a bucket's search.
@@ -490,9 +557,12 @@ impl Limits {
     /// caps from its largest buckets, concurrency from its largest safe
     /// concurrency, the per-bucket table, and `kv_tokens` for the KV budget.
     pub fn from_config(c: &ConfigResult, kv_tokens: u64, headroom: f64) -> Limits {
+        // Warm buckets are the cache's gain, not the envelope: the
+        // governor credits cached prefixes only as the server confirms them.
         let mut buckets: Vec<BucketLimit> = c
             .buckets
             .iter()
+            .filter(|b| b.is_cold())
             .map(|b| BucketLimit::from_result(b, headroom))
             .collect();
         sort_buckets(&mut buckets);
@@ -713,6 +783,7 @@ impl Profile {
             .map(|c| {
                 c.buckets
                     .iter()
+                    .filter(|b| b.is_cold())
                     .map(|b| BucketLimit::from_result(b, self.slo.headroom))
                     .collect()
             })

@@ -129,6 +129,16 @@ pub struct TaskClass {
     /// Agent-shaped load, sessions: tool-result tokens added between calls.
     #[serde(default)]
     pub tool_result_tokens: u32,
+    /// The share of this class's prompt tokens the server is planned to
+    /// find in its prefix cache (seed 000's effective uncached input =
+    /// total input - cached input). Default 0: every token new.
+    pub cache_hit_rate: Option<f64>,
+    /// The lowest the hit rate may fall to (a flushed cache, a restart, a
+    /// new prompt version): `envelope plan` sizes prefill on the uncached
+    /// input at this floor, and shows the capacity at the planned rate
+    /// beside it. Default 0: the cache is an optimisation the plan shows,
+    /// never one it relies on.
+    pub cache_hit_rate_floor: Option<f64>,
     /// Model tiers (`envelope plan --tier`): the model requests each tier
     /// serves per call of this class (0.8 small and 0.2 large; escalated
     /// calls are attempts on both, so the shares may sum above 1). Empty:
@@ -291,6 +301,23 @@ impl Workload {
             }
             for (k, v) in &c.dependencies_per_run {
                 nonneg(f(&format!("dependencies_per_run.{k}")), *v)?;
+            }
+            for (n, v) in [
+                ("cache_hit_rate", c.cache_hit_rate),
+                ("cache_hit_rate_floor", c.cache_hit_rate_floor),
+            ] {
+                if let Some(v) = v.filter(|v| !(0.0..1.0).contains(v)) {
+                    return Err(bad(format!("field `{}` must be in [0, 1), got {v}", f(n))));
+                }
+            }
+            if c.cache_hit_rate_floor.unwrap_or(0.0) > c.cache_hit_rate.unwrap_or(0.0) {
+                return Err(bad(format!(
+                    "field `{}` ({}) is above `{}` ({})",
+                    f("cache_hit_rate_floor"),
+                    c.cache_hit_rate_floor.unwrap_or(0.0),
+                    f("cache_hit_rate"),
+                    c.cache_hit_rate.unwrap_or(0.0)
+                )));
             }
         }
         Ok(w)

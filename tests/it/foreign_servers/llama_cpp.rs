@@ -121,10 +121,11 @@ fn llama_server_four_slots_swept_at_half_confidence_then_governed_by_defaults() 
         "{msg}"
     );
 
-    // The sweep with defaults: token-id prompts, parallel slots.
+    // The sweep with defaults: token-id prompts, parallel slots; and a
+    // warm bucket, half of each prompt a prefix the probe's requests share.
     let (status, profile, err) = sweep(
         &dir,
-        &first_contact_target(&server.base, "\"64x32\", \"256x32\"", 8),
+        &first_contact_target(&server.base, "\"64x32\", \"256x32\", \"64x32@50%\"", 8),
     );
     assert!(status.success(), "{err}\n{}", server.log());
     let checks = &profile["configs"][0]["server_checks"];
@@ -137,6 +138,20 @@ fn llama_server_four_slots_swept_at_half_confidence_then_governed_by_defaults() 
     assert!((3.0..7.0).contains(&bpt), "{bpt}");
     let safe = safe_at(&profile, "64x32");
     assert!(safe >= 2, "parallel slots: safe at {safe}\n{profile}");
+    // llama.cpp has no counters, but each streamed answer's usage says what
+    // its slot reused (`cached_tokens`): the warm bucket's hit rate comes
+    // from those, and each slot keeps the shared half.
+    let warm = &profile["configs"][0]["buckets"][2]["cached_prefix"];
+    let hits = warm["observed_hit_rate"].as_f64();
+    assert!(
+        hits.is_some_and(|h| h >= 0.25) && warm["held"] == true,
+        "{warm}"
+    );
+    assert_eq!(
+        profile["limits"]["buckets"].as_array().unwrap().len(),
+        2,
+        "the warm bucket is no row of the envelope"
+    );
 
     // govern with default flags: no mismatch, llama.cpp's /tokenize.
     let gdir = dir.join("govern");

@@ -35,9 +35,11 @@ use std::time::{Duration, Instant};
 /// block, a 256x32 one three (so two fit, and a third preempts).
 const SMALL_KV_BLOCKS: u32 = 8;
 /// The sweep's buckets. With 1 GiB of KV a third, for the agents'
-/// sessions (their prompts grow to about 430 tokens).
+/// sessions (their prompts grow to about 430 tokens), and that shape warm:
+/// three quarters of each prompt (three of vLLM's 128-token blocks) a
+/// prefix the probe's requests share.
 const BUCKETS: &str = r#"["64x32", "256x32"]"#;
-const BUCKETS_1GIB: &str = r#"["64x32", "256x32", "512x32"]"#;
+const BUCKETS_1GIB: &str = r#"["64x32", "256x32", "512x32", "512x32@75%"]"#;
 /// The sweep's and the load's TTFT SLO, ms.
 const TTFT_SLO_MS: f64 = 4000.0;
 /// Output tokens of the load's chat requests.
@@ -238,6 +240,7 @@ fn vllm_governed_by_defaults_costs_nothing_inside_the_envelope() {
     let dir = temp_dir("envelope-foreign", "vllm-1gib-kv");
     let (server, profile, _, g) = swept_and_governed(&dir, None, BUCKETS_1GIB);
     let (mut table, mut failed) = direct_and_governed(&server, &profile, &g);
+    failed.extend(prefix_cache::warm_bucket_held(&profile));
     // Agents on the same server and profile: their calls are mostly
     // cached prefix, then the same with vLLM's cache off.
     let (lines, agents_failed) = prefix_cache::agents_with_the_cache(&server, &profile, &g);

@@ -58,16 +58,66 @@ fn parses_and_expands_the_matrix() {
     let c = BenchConfig::parse(OK, Path::new("q.toml")).unwrap();
     assert_eq!(c.points.len(), 4);
     assert_eq!(c.points[0].name(), "f32-f32-continuous");
-    assert_eq!(
-        c.buckets[1],
-        Bucket {
-            input_tokens: 128,
-            output_tokens: 32
-        }
-    );
+    assert_eq!(c.buckets[1], Bucket::cold(128, 32));
     assert_eq!(c.kv_cache_bytes, 8 << 20);
     assert_eq!(c.slo.itl_p95_ms, Some(500.0));
     assert!(c.slo.zero_preemptions);
+}
+
+#[test]
+fn warm_buckets_state_their_cached_share() {
+    let warm = Bucket::parse("1024x32@85%").unwrap();
+    assert_eq!(
+        (warm.input_tokens, warm.output_tokens, warm.cached_percent),
+        (1024, 32, 85)
+    );
+    assert_eq!(warm.prefix_tokens(), 870);
+    assert_eq!(warm.cached_share(), Some(0.85));
+    assert_eq!(warm.label(), "1024x32@85%");
+    let cold = Bucket::parse("1024x32").unwrap();
+    assert_eq!(
+        (
+            cold.cached_percent,
+            cold.prefix_tokens(),
+            cold.cached_share()
+        ),
+        (0, 0, None)
+    );
+    assert_eq!(cold.label(), "1024x32");
+    for bad in [
+        "1024x32@0%",
+        "1024x32@96%",
+        "1024x32@85",
+        "1024x32@x%",
+        "4x1@10%",
+        "0x32@50%",
+    ] {
+        assert!(Bucket::parse(bad).is_err(), "{bad}");
+    }
+    let c = BenchConfig::parse(
+        &OK.replace("\"64x16\"", "\"64x16\", \"64x16@50%\""),
+        Path::new("q.toml"),
+    )
+    .unwrap();
+    assert!(c.buckets.contains(&Bucket::parse("64x16@50%").unwrap()));
+    // The same bucket twice, and a warm bucket with dataset prompts, are
+    // refused with the field named.
+    for (text, says) in [
+        (
+            OK.replace("\"64x16\"", "\"64x16\", \"64x16\""),
+            "listed twice",
+        ),
+        (
+            OK.replace("\"64x16\"", "\"64x16@50%\"")
+                .replace("[slo]", "[load]\ndataset = \"d.txt\"\n[slo]"),
+            "load.dataset",
+        ),
+    ] {
+        let e = BenchConfig::parse(&text, Path::new("q.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("matrix.buckets") && e.contains(says), "{e}");
+    }
 }
 
 #[test]

@@ -10,7 +10,7 @@ pub fn configs_table(p: &Profile) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<28} {:>9} {:>8} {:>10} {:>14} {:>12} {:>12} {:>11}",
+        "{:<28} {:>13} {:>8} {:>10} {:>14} {:>12} {:>12} {:>11}",
         "config", "bucket", "feasible", "safe", "binding", "out tok/s", "ttft p95 ms", "itl p95 ms"
     );
     for c in &p.configs {
@@ -22,9 +22,9 @@ pub fn configs_table(p: &Profile) -> String {
             let at = b.at_feasible.as_ref();
             let _ = writeln!(
                 o,
-                "{:<28} {:>9} {:>8} {:>10} {:>14} {:>12.1} {:>12.1} {:>11.1}",
+                "{:<28} {:>13} {:>8} {:>10} {:>14} {:>12.1} {:>12.1} {:>11.1}{}",
                 c.name,
-                format!("{}x{}", b.input_tokens, b.output_tokens),
+                b.label(),
                 b.feasible_concurrency,
                 match b.safe_rate_per_s {
                     Some(r) => format!("{}@{r:.1}/s", b.safe_concurrency),
@@ -34,6 +34,19 @@ pub fn configs_table(p: &Profile) -> String {
                 at.map_or(0.0, |a| a.output_tok_per_s),
                 at.map_or(0.0, |a| a.ttft_ms.p95),
                 at.map_or(0.0, |a| a.itl_ms.p95),
+                match &b.cached_prefix {
+                    None => String::new(),
+                    Some(p) => format!(
+                        "  {} (server hits {})",
+                        if p.held {
+                            "warm"
+                        } else {
+                            "COLD: the cache did not hold"
+                        },
+                        p.observed_hit_rate
+                            .map_or("not reported".into(), |h| format!("{:.0}%", h * 100.0))
+                    ),
+                },
             );
         }
     }

@@ -11,8 +11,8 @@ use envelope_profile::capacity::with_headroom;
 use envelope_profile::confidence::{self, Decision};
 use envelope_profile::Percentiles;
 use envelope_profile::{
-    BucketRepeat, BucketResult, ConfigResult, Constraint, LevelSearch, LevelVerdict, ProbeSummary,
-    Slo, SloCheck,
+    BucketRepeat, BucketResult, CachedPrefix, ConfigResult, Constraint, LevelSearch, LevelVerdict,
+    ProbeSummary, Slo, SloCheck,
 };
 use std::sync::Arc;
 
@@ -243,10 +243,7 @@ pub fn summarise(run: &ProbeRun, concurrency: u32, slo: &Slo, load: &LoadConfig)
         offered_rate_per_s: run.offered_rate_per_s,
         kv_usage_max: run.kv_usage_max,
         preemptions: run.preemptions,
-        prefix_cache_hit_rate: run
-            .prefix_cache
-            .filter(|c| c.queries > 0.0)
-            .map(|c| (c.hits / c.queries).clamp(0.0, 1.0)),
+        prefix_cache_hit_rate: hit_rate(run),
         peak_memory_bytes: run.peak_memory_bytes,
         breaches: vec![],
         // A worker that idled between its requests for over
@@ -374,6 +371,15 @@ pub fn bucket_result(
         .upper()
         .map(|u| if open_loop_mode { rate(u) } else { u as f64 });
     let summaries: Vec<ProbeSummary> = probes.into_iter().map(|(_, p)| p).collect();
+    // A warm bucket: the server's hits over all its probes, weighted by
+    // their requests, against the share meant to be cached.
+    let cached_prefix = bucket.cached_share().map(|share| {
+        let (hits, weight) = summaries
+            .iter()
+            .filter_map(|p| p.prefix_cache_hit_rate.map(|h| (h, p.requests as f64)))
+            .fold((0.0, 0.0), |(a, w), (h, n)| (a + h * n, w + n));
+        CachedPrefix::judged(share, (weight > 0.0).then(|| hits / weight))
+    });
     BucketResult {
         input_tokens: bucket.input_tokens,
         output_tokens: bucket.output_tokens,
@@ -402,8 +408,28 @@ pub fn bucket_result(
             }
         }),
         repeats: vec![],
+        cached_prefix,
         probes: summaries,
     }
+}
+
+/// The share of prompt tokens the server found in its prefix cache over a
+/// probe: from its counters where it exports them (vLLM), else from the
+/// answers that said (`cached_tokens`, llama.cpp's server); `None` where
+/// neither told.
+pub fn hit_rate(run: &ProbeRun) -> Option<f64> {
+    if let Some(c) = run.prefix_cache.filter(|c| c.queries > 0.0) {
+        return Some((c.hits / c.queries).clamp(0.0, 1.0));
+    }
+    let (cached, input) = run
+        .records
+        .iter()
+        .filter_map(|r| {
+            r.cached_tokens
+                .map(|c| (u64::from(c), u64::from(r.input_tokens)))
+        })
+        .fold((0u64, 0u64), |(c, i), (rc, ri)| (c + rc, i + ri));
+    (input > 0).then(|| (cached as f64 / input as f64).clamp(0.0, 1.0))
 }
 
 /// KV tokens the governor may reserve: the capacity less the headroom; when
@@ -415,6 +441,7 @@ pub fn kv_tokens_limit(c: &ConfigResult, headroom: f64) -> u64 {
     } else {
         c.buckets
             .iter()
+            .filter(|b| b.is_cold())
             .map(|b| b.safe_concurrency as u64 * (b.input_tokens + b.output_tokens) as u64)
             .max()
             .unwrap_or(0)
@@ -443,14 +470,10 @@ pub fn merge_repeats(mut repeats: Vec<Vec<ConfigResult>>) -> Vec<ConfigResult> {
             .buckets
             .iter()
             .map(|b| {
-                let key = (b.input_tokens, b.output_tokens);
+                let key = b.label();
                 let mut runs: Vec<&BucketResult> = all
                     .iter()
-                    .filter_map(|c| {
-                        c.buckets
-                            .iter()
-                            .find(|x| (x.input_tokens, x.output_tokens) == key)
-                    })
+                    .filter_map(|c| c.buckets.iter().find(|x| x.label() == key))
                     .collect();
                 let searches = runs
                     .iter()

@@ -115,11 +115,13 @@ pub(super) fn config<'a>(p: &'a Profile, name: Option<&str>) -> Result<&'a Confi
     }
 }
 
-/// A configuration's buckets as (input, output) tokens, sorted.
+/// A configuration's cold buckets as (input, output) tokens, sorted (warm
+/// buckets measure the server's cache, not the precision or policy gated).
 pub(super) fn bucket_keys(c: &ConfigResult) -> Vec<(u32, u32)> {
     let mut k: Vec<_> = c
         .buckets
         .iter()
+        .filter(|b| b.is_cold())
         .map(|b| (b.input_tokens, b.output_tokens))
         .collect();
     k.sort();

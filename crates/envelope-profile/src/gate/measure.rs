@@ -57,7 +57,7 @@ fn probe_metric(p: &ProbeSummary, metric: &str) -> Option<f64> {
 fn bucket_of(c: &ConfigResult, key: (u32, u32)) -> Option<&BucketResult> {
     c.buckets
         .iter()
-        .find(|b| (b.input_tokens, b.output_tokens) == key)
+        .find(|b| b.is_cold() && (b.input_tokens, b.output_tokens) == key)
 }
 
 /// Each repeat's figure for `metric` in a bucket: its safe concurrency,
@@ -243,7 +243,7 @@ pub(super) fn compare(
     let probe_of = |c: &ConfigResult, k: (u32, u32)| {
         c.buckets
             .iter()
-            .find(|b| (b.input_tokens, b.output_tokens) == k)
+            .find(|b| b.is_cold() && (b.input_tokens, b.output_tokens) == k)
             .and_then(|b| safe_point_probe(b).map(|p| p.2))
             .unwrap_or_else(|| "no safe point".into())
     };

@@ -52,6 +52,7 @@ fn profile(precision: &str, safe: u32, decode: f64, kl: f64, top1: f64) -> Profi
         safe_rate_per_s: None,
         feasible_upper: None,
         safe_upper: None,
+        cached_prefix: None,
         repeats: vec![],
         probes: vec![probe(safe, decode), probe(safe + 1, decode * 1.1)],
     };

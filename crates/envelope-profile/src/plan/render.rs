@@ -1,7 +1,7 @@
 //! The plan as text tables with units (`envelope plan` without `--json`):
 //! every intermediate value, per class and per scenario.
 
-use super::{ClassDemand, ClassSupply, Plan};
+use super::{replicas_for, ClassDemand, ClassSupply, Plan};
 
 /// Thousands separators for the integer part: 3,359,232.
 fn grouped(v: f64, decimals: usize) -> String {
@@ -149,6 +149,16 @@ fn demand_rows(d: &[ClassDemand]) -> Vec<(String, &'static str, Vec<String>)> {
             "output_tokens_per_request_mean".into(),
             "tokens",
             col(&|x| f(x.output_tokens_per_request_mean)),
+        ),
+        (
+            "context growth per call (sessions)".into(),
+            "tokens",
+            col(&|x| f(x.context_growth_tokens_per_call)),
+        ),
+        (
+            "cache hit rate planned / floor".into(),
+            "",
+            col(&|x| format!("{} / {}", f(x.cache_hit_rate), f(x.cache_hit_rate_floor))),
         ),
         (
             "input_tokens_per_min (req x mean)".into(),
@@ -343,13 +353,24 @@ pub fn render(p: &Plan, workload: &str, profile: &str) -> String {
                 c.replicas_needed,
                 c.utilisation * 100.0
             ));
+            if let Some(planned) = c.replicas_exact_at_planned_hit_rate {
+                o.push_str(&format!(
+                    "  {:<18} {:>14} {:<7} {:>16} {:>9}   (at the planned cache hit rate; sized above at the floor)\n",
+                    "  at planned hits",
+                    "",
+                    "",
+                    format!("{planned:.3}"),
+                    replicas_for(planned),
+                ));
+            }
         }
         for l in &sc.loads {
             o.push_str(&format!(
-                "    {}: {} req/s, {} input tok/s, {} output tok/s, {} slots ({}), {} KV tokens\n",
+                "    {}: {} req/s, {} input tok/s ({} uncached at the floor), {} output tok/s, {} slots ({}), {} KV tokens\n",
                 l.class,
                 f(l.model_requests_per_s),
                 f(l.input_tokens_per_s),
+                f(l.uncached_input_tokens_per_s),
                 f(l.output_tokens_per_s),
                 f(l.slots),
                 l.slots_basis,

@@ -121,6 +121,7 @@ fn bucket(i: u32, o: u32, safe: u32, feasible: u32, probes: Vec<ProbeSummary>) -
         safe_rate_per_s: None,
         feasible_upper: None,
         safe_upper: None,
+        cached_prefix: None,
         repeats: vec![],
         probes,
     }
@@ -329,5 +330,102 @@ fn unusable_supply_is_an_error() {
     assert_eq!(
         plan(&w, &pr, None).unwrap_err(),
         PlanError::NoSafePoint("c".into(), 8192, 2048)
+    );
+}
+
+#[test]
+fn sessions_grow_their_context_and_prefill_is_sized_at_the_hit_rate_floor() {
+    let text = SEED.replace(
+        "concurrency_basis = \"run\"",
+        "concurrency_basis = \"run\"\nsession = true\ntool_result_tokens = 300\ncache_hit_rate = 0.8\ncache_hit_rate_floor = 0.2",
+    );
+    let w = Workload::from_toml(&text, "seed.toml").unwrap();
+    let mut prof = profile();
+    // A warm bucket of the agent's shape with twice the sequences: the
+    // cache's gain, which the supply never takes.
+    let mut warm = prof.configs[0]
+        .buckets
+        .iter()
+        .find(|b| b.input_tokens == 16384)
+        .unwrap()
+        .clone();
+    warm.safe_concurrency *= 2;
+    warm.cached_prefix = Some(crate::CachedPrefix::judged(0.8, Some(0.8)));
+    // First in the list: the one a bucket search that ignored warmth takes.
+    prof.configs[0].buckets.insert(0, warm);
+    let p = plan(&w, &prof, None).unwrap();
+    let a = &p.demand[0];
+    // Each call grows by the mean output and the tool result: 1,500
+    // tokens; 2.4 calls a run, so the mean call carries 0.7 of a growth
+    // and the last 1.4.
+    close(a.context_growth_tokens_per_call, 1_500.0);
+    close(a.input_tokens_per_request_mean, 7_200.0 + 1_050.0);
+    close(a.input_tokens_per_request_p95, 7_900.0 + 2_100.0);
+    close(a.kv_tokens_per_request_p95, 10_000.0 + 1_900.0);
+    close(a.input_tokens_per_min, 466.56 * 8_250.0);
+    // p95 10,000 input: no bucket covers it, and the warm one is not taken.
+    assert_eq!(p.supply[0].bucket_input_tokens, 16384);
+    let cold16k = prof.configs[0]
+        .buckets
+        .iter()
+        .find(|b| b.input_tokens == 16384 && b.is_cold())
+        .unwrap();
+    close(
+        p.supply[0].safe_concurrency_per_replica,
+        f64::from(cold16k.safe_concurrency),
+    );
+    let base = &p.scenarios[0];
+    let l = &base.loads[0];
+    close(l.input_tokens_per_s, 466.56 * 8_250.0 / 60.0);
+    close(l.uncached_input_tokens_per_s, l.input_tokens_per_s * 0.8);
+    close(
+        l.uncached_input_tokens_per_s_planned,
+        l.input_tokens_per_s * 0.2,
+    );
+    let prefill = base
+        .constraints
+        .iter()
+        .find(|c| c.constraint == PlanConstraint::PrefillTokPerS)
+        .unwrap();
+    // Sized at the floor; the planned rate shown beside it, smaller.
+    let per = p.supply[0].prefill_tok_per_s_per_replica;
+    let others: f64 = base.loads[1..]
+        .iter()
+        .zip(&p.supply[1..])
+        .map(|(l, s)| l.input_tokens_per_s / s.prefill_tok_per_s_per_replica)
+        .sum();
+    close(
+        prefill.replicas_exact,
+        l.uncached_input_tokens_per_s / per + others,
+    );
+    close(
+        prefill.replicas_exact_at_planned_hit_rate.unwrap(),
+        l.uncached_input_tokens_per_s_planned / per + others,
+    );
+    // KV stays on the whole context.
+    close(l.kv_tokens, l.slots * 11_900.0);
+    // Without a cache rate the constraint shows no second figure, and a
+    // floor above the planned rate is refused, naming the field.
+    let cold = plan(
+        &Workload::from_toml(SEED, "seed.toml").unwrap(),
+        &prof,
+        None,
+    )
+    .unwrap();
+    assert!(cold.scenarios[0]
+        .constraints
+        .iter()
+        .all(|c| c.replicas_exact_at_planned_hit_rate.is_none()));
+    let e = Workload::from_toml(
+        &text.replace("cache_hit_rate = 0.8", "cache_hit_rate = 0.1"),
+        "w.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("class[0].cache_hit_rate_floor"), "{e}");
+    let rendered = crate::plan::render::render(&p, "w.toml", "p.json");
+    assert!(
+        rendered.contains("at the planned cache hit rate"),
+        "{rendered}"
     );
 }

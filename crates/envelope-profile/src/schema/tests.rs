@@ -51,6 +51,7 @@ fn bucket(input: u32, output: u32, safe: u32, probes: &[(u32, f64)]) -> BucketRe
         safe_rate_per_s: None,
         feasible_upper: None,
         safe_upper: None,
+        cached_prefix: None,
         repeats: vec![],
         probes,
     }

@@ -111,7 +111,9 @@ fn class_of(
         fallback_amplification: 1.0,
         input_tokens_p50: pin.p50.max(1.0),
         input_tokens_p95: pin.p95.max(pin.p50).max(1.0),
-        input_tokens_mean: Some(r3(mean(&input))),
+        // A session's figures describe its first call; `envelope plan`
+        // adds the growth (`tool_result_tokens` and the outputs).
+        input_tokens_mean: Some(r3(mean(if session { &first_input } else { &input }))),
         output_tokens_p50: po.p50.max(1.0),
         output_tokens_p95: po.p95.max(po.p50).max(1.0),
         output_tokens_mean: Some(r3(mean(&output))),
@@ -127,6 +129,8 @@ fn class_of(
             Percentiles::of(&growth).p50.round() as u32
         },
         tiers: BTreeMap::new(),
+        cache_hit_rate: None,
+        cache_hit_rate_floor: None,
     }
 }
 

@@ -186,3 +186,47 @@ pub(super) fn agents_without_the_cache(dir: &Path, profile: &Value) -> (String, 
     }
     (format!("{line}{prefix}\n"), failed)
 }
+
+/// The sweep's warm bucket (`512x32@75%`) beside vLLM's prefix cache at
+/// its defaults: the server found the shared prefix (its hit rate at least
+/// half the intended 75%: whole 128-token blocks), so the bucket is
+/// measured warm; it holds more sequences than the cold 512x32, and the
+/// envelope the governor enforces is the cold buckets' alone.
+pub(super) fn warm_bucket_held(profile: &Value) -> Vec<String> {
+    let mut failed = vec![];
+    let buckets = profile["configs"][0]["buckets"].as_array().unwrap();
+    let shape = |warm: bool| {
+        buckets
+            .iter()
+            .find(|b| b["input_tokens"] == 512 && b["cached_prefix"].is_object() == warm)
+    };
+    let (Some(cold), Some(warm)) = (shape(false), shape(true)) else {
+        return vec![format!("no cold and warm 512x32 buckets: {buckets:?}")];
+    };
+    let prefix = &warm["cached_prefix"];
+    let hits = prefix["observed_hit_rate"].as_f64().unwrap_or(-1.0);
+    eprintln!(
+        "warm 512x32@75%: safe {} (cold {}), server's hit rate {hits:.2}, held {}",
+        warm["safe_concurrency"], cold["safe_concurrency"], prefix["held"]
+    );
+    if prefix["held"] != true || hits < 0.5 {
+        failed.push(format!("the warm bucket was not measured warm: {prefix}"));
+    }
+    let feasible = |b: &Value| b["feasible_concurrency"].as_u64().unwrap_or(0);
+    if feasible(warm) <= feasible(cold) {
+        failed.push(format!(
+            "warm 512x32 feasible at {} is not above cold's {}",
+            feasible(warm),
+            feasible(cold)
+        ));
+    }
+    let rows = profile["limits"]["buckets"].as_array().unwrap();
+    if rows.len() != 3
+        || rows
+            .iter()
+            .any(|r| r["input_tokens"] == 512 && r["safe_concurrency"] != cold["safe_concurrency"])
+    {
+        failed.push(format!("the envelope is not the cold buckets': {rows:?}"));
+    }
+    failed
+}

@@ -140,10 +140,7 @@ fn the_knee_is_where_doubling_stops_paying() {
 
 #[test]
 fn a_bucket_binds_on_the_first_breach_above_its_feasible_level() {
-    let bucket = Bucket {
-        input_tokens: 64,
-        output_tokens: 32,
-    };
+    let bucket = Bucket::cold(64, 32);
     let mut over = probe(8, 300.0);
     over.breaches = vec![Constraint::ItlP95, Constraint::Errors];
     let probes = vec![(4, probe(4, 250.0)), (8, over)];
@@ -167,6 +164,65 @@ fn a_bucket_binds_on_the_first_breach_above_its_feasible_level() {
     assert_eq!(b.binding_constraint, Constraint::SearchCap);
     assert_eq!(b.safe_concurrency, 48);
     assert_eq!(b.feasible_upper, None);
+}
+
+#[test]
+fn a_warm_bucket_is_warm_only_where_the_server_found_its_prefix() {
+    let warm = Bucket::parse("512x32@75%").unwrap();
+    let mut search = LevelSearch::new(1, 64);
+    search.record(4, LevelVerdict::Holds);
+    let load = LoadConfig::default();
+    let with_hits = |rates: &[(u64, Option<f64>)]| {
+        let probes = rates
+            .iter()
+            .enumerate()
+            .map(|(i, (n, h))| {
+                let mut p = probe(i as u32 + 1, 100.0);
+                p.requests = *n;
+                p.prefix_cache_hit_rate = *h;
+                (i as u32 + 1, p)
+            })
+            .collect();
+        bucket_result(&load, 0.25, warm, &search, probes)
+            .cached_prefix
+            .unwrap()
+    };
+    // Weighted by requests: (10 x 0.3 + 30 x 0.7) / 40 = 0.6, over half of 0.75.
+    let held = with_hits(&[(10, Some(0.3)), (30, Some(0.7)), (5, None)]);
+    assert_eq!(held.intended_share, 0.75);
+    assert!((held.observed_hit_rate.unwrap() - 0.6).abs() < 1e-9);
+    assert!(held.held);
+    // Under half the intended share: measured, and said to be cold.
+    let low = with_hits(&[(20, Some(0.3))]);
+    assert!(!low.held && low.observed_hit_rate == Some(0.3));
+    // A server that says nothing is never taken as warm.
+    let silent = with_hits(&[(20, None)]);
+    assert!(!silent.held && silent.observed_hit_rate.is_none());
+    // A cold bucket has no prefix to check.
+    let cold = bucket_result(&load, 0.25, Bucket::cold(512, 32), &search, vec![]);
+    assert!(cold.cached_prefix.is_none() && cold.is_cold());
+}
+
+#[test]
+fn a_probe_s_hit_rate_comes_from_the_counters_else_the_answers() {
+    let rec = |input: u32, cached: Option<u32>| RequestRecord {
+        input_tokens: input,
+        cached_tokens: cached,
+        ..Default::default()
+    };
+    let mut run = ProbeRun {
+        records: vec![rec(100, Some(50)), rec(100, Some(100)), rec(100, None)],
+        ..Default::default()
+    };
+    assert_eq!(hit_rate(&run), Some(0.75));
+    run.prefix_cache = Some(crate::record::PrefixCache {
+        queries: 400.0,
+        hits: 100.0,
+    });
+    assert_eq!(hit_rate(&run), Some(0.25));
+    run.prefix_cache = None;
+    run.records = vec![rec(100, None)];
+    assert_eq!(hit_rate(&run), None);
 }
 
 #[test]
@@ -238,6 +294,7 @@ fn no_safe_point_says_why_per_configuration() {
         safe_rate_per_s: None,
         feasible_upper: None,
         safe_upper: None,
+        cached_prefix: None,
         repeats: vec![],
         probes: vec![probe(1)],
     };
@@ -280,6 +337,7 @@ fn bucket(input_tokens: u32, output_tokens: u32, safe: u32) -> BucketResult {
         safe_rate_per_s: None,
         feasible_upper: None,
         safe_upper: None,
+        cached_prefix: None,
         probes: vec![],
         repeats: vec![],
     }
