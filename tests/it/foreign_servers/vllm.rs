@@ -19,6 +19,7 @@
 //!   cache on) and on a second one started with it off
 //!   ([`prefix_cache`]).
 
+mod agents_page;
 mod prefix_cache;
 
 use super::*;
@@ -57,12 +58,7 @@ const BLOCK_ANSWERS: usize = 2;
 static NEXT_PROMPT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// vLLM on loopback with `blocks` KV blocks of 128 tokens, else 1 GiB of
-/// KV (23,296 tokens of this model).
-fn vllm(dir: &Path, blocks: Option<u32>) -> Foreign {
-    vllm_with(dir, blocks, &[])
-}
-
-/// [`vllm`] with more of vLLM's flags.
+/// KV (23,296 tokens of this model), with more of vLLM's `flags`.
 fn vllm_with(dir: &Path, blocks: Option<u32>, flags: &[&str]) -> Foreign {
     let python = foreign("ENVELOPE_VLLM_PYTHON");
     let model = foreign("ENVELOPE_VLLM_MODEL");
@@ -188,8 +184,18 @@ fn swept_and_governed(
     blocks: Option<u32>,
     buckets: &str,
 ) -> (Foreign, Value, String, Governor) {
+    swept_and_governed_with(dir, blocks, &[], buckets)
+}
+
+/// [`swept_and_governed`] with more of vLLM's flags.
+fn swept_and_governed_with(
+    dir: &Path,
+    blocks: Option<u32>,
+    flags: &[&str],
+    buckets: &str,
+) -> (Foreign, Value, String, Governor) {
     let t0 = Instant::now();
-    let server = vllm(dir, blocks);
+    let server = vllm_with(dir, blocks, flags);
     eprintln!("vLLM ready in {:.0} s", t0.elapsed().as_secs_f64());
 
     // The sweep with defaults: base_url, model, buckets and the SLO, no
